@@ -1,0 +1,9 @@
+"""hyscale_compile: a torch.compile backend that selects the top-k keys of sparse-attention indexers
+without writing the score table.
+
+    model = torch.compile(model, backend="hyscale")
+"""
+
+from .lowering.api import indexer_topk
+
+__all__ = ["indexer_topk"]

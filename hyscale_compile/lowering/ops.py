@@ -1,0 +1,173 @@
+"""The operators the passes emit: ``hyscale::select``, ``hyscale::rescore``, ``hyscale::sparse_backward``.
+
+Each is a ``torch.library.custom_op`` with a fake rule (symbolic sizes work) and, for the first two,
+an autograd formula that only touches the k selected keys per query. The implementations dispatch
+to the runtime (Triton on CUDA, the plain-PyTorch reference elsewhere); semantics are those of
+``runtime/reference.py``.
+
+Visibility arguments, shared by all three ops and in this order:
+    causal, offset, offsets, starts, ends, mask, bias
+(see ``runtime.reference.Visibility``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..runtime import dispatch
+from ..runtime.reference import Visibility
+
+_QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(cond, msg: str) -> None:
+    torch._check(cond, lambda: msg)
+
+
+def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
+                 offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
+                 mask: Tensor | None, bias: Tensor | None) -> None:
+    """Shape and dtype checks with messages naming the offending argument (symbolic-size safe)."""
+    _check(q.dim() == 4, f"hyscale: q must be [B, T, H, D], got {q.dim()} dims {tuple(q.shape)}")
+    _check(kx.dim() == 3, f"hyscale: kx must be [B, S, D], got {kx.dim()} dims {tuple(kx.shape)}")
+    _check(q.dtype in _QK_DTYPES, f"hyscale: q dtype {q.dtype} unsupported; use bfloat16, float16 or float32")
+    _check(kx.dtype in _QK_DTYPES, f"hyscale: kx dtype {kx.dtype} unsupported; use bfloat16, float16 or float32")
+    B, T, H, D = q.shape
+    _check(kx.shape[0] == B, f"hyscale: kx batch {kx.shape[0]} != q batch {B}")
+    _check(kx.shape[2] == D, f"hyscale: kx head dim {kx.shape[2]} != q head dim {D}")
+    S = kx.shape[1]
+    if weights is not None:
+        _check(weights.dim() == 3 and weights.shape[0] == B and weights.shape[1] == T and weights.shape[2] == H,
+               f"hyscale: weights must be [B, T, H] = [{B}, {T}, {H}], got {tuple(weights.shape)}")
+        _check(weights.is_floating_point(), f"hyscale: weights must be floating point, got {weights.dtype}")
+    if k is not None:
+        _check(k >= 0, f"hyscale: k must be >= 0, got k={k}")
+        _check(k <= S, f"hyscale: k={k} is larger than the number of keys S={S}")
+    if offsets is not None:
+        _check(offsets.dim() == 1 and offsets.shape[0] == B,
+               f"hyscale: query_offset tensor must be [B] = [{B}], got {tuple(offsets.shape)}")
+    for name, win in (("starts", starts), ("ends", ends)):
+        if win is not None:
+            _check(win.dim() == 2 and win.shape[0] == B and win.shape[1] == T,
+                   f"hyscale: {name} must be [B, T] = [{B}, {T}], got {tuple(win.shape)}")
+            _check(not win.is_floating_point(), f"hyscale: {name} must be an integer tensor, got {win.dtype}")
+    if mask is not None:
+        _check(mask.dtype == torch.bool, f"hyscale: mask must be bool here, got {mask.dtype}")
+        _check(mask.dim() <= 3, f"hyscale: mask must broadcast to [B, T, S], got {tuple(mask.shape)}")
+    if bias is not None:
+        _check(bias.is_floating_point(), f"hyscale: additive mask must be floating point, got {bias.dtype}")
+        _check(bias.dim() <= 3, f"hyscale: additive mask must broadcast to [B, T, S], got {tuple(bias.shape)}")
+
+
+def _vis(causal, offset, offsets, starts, ends, mask, bias) -> Visibility:
+    return Visibility(causal=causal, offset=offset, offsets=offsets, starts=starts, ends=ends, mask=mask, bias=bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# select
+
+
+@torch.library.custom_op("hyscale::select", mutates_args=())
+def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
+           causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
+           mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool) -> tuple[Tensor, Tensor]:
+    check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
+    vis = _vis(causal, offset, offsets, starts, ends, mask, bias)
+    impl = dispatch.kernels_for(q)
+    return impl.select(q, kx, weights, k, scale, relu, vis, fill)
+
+
+@select.register_fake
+def _(q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill, sorted):
+    check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
+    B, T = q.shape[0], q.shape[1]
+    return (q.new_empty((B, T, k), dtype=torch.float32), q.new_empty((B, T, k), dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# rescore
+
+
+@torch.library.custom_op("hyscale::rescore", mutates_args=())
+def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scale: float, relu: bool,
+            causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
+            mask: Tensor | None, bias: Tensor | None, fill: float) -> Tensor:
+    check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias)
+    vis = _vis(causal, offset, offsets, starts, ends, mask, bias)
+    return dispatch.kernels_for(q).rescore(q, kx, weights, indices, scale, relu, vis, fill)
+
+
+@rescore.register_fake
+def _(q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill):
+    check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias)
+    _check(indices.dim() == 3 and indices.shape[0] == q.shape[0] and indices.shape[1] == q.shape[1],
+           f"hyscale: indices must be [B, T, k], got {tuple(indices.shape)}")
+    return indices.new_empty(indices.shape, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse backward: gradients through the k selected scores only
+
+
+@torch.library.custom_op("hyscale::sparse_backward", mutates_args=())
+def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
+                    scale: float, relu: bool, causal: bool, offset: int, offsets: Tensor | None,
+                    starts: Tensor | None, ends: Tensor | None, mask: Tensor | None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    vis = _vis(causal, offset, offsets, starts, ends, mask, None)
+    impl = dispatch.backward_kernels_for(q)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if impl is dispatch.reference:
+        dq, dkx, dw = impl.sparse_backward(grad_values, q, kx, weights, indices, scale, relu, vis)
+    else:
+        dq, dkx, dw = impl.sparse_backward(grad_values, q, kx, weights, indices, scale, relu, vis,
+                                           deterministic=deterministic)
+    return dq, dkx, (dw if dw is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@sparse_backward.register_fake
+def _(grad_values, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask):
+    dw = torch.empty_like(weights) if weights is not None else q.new_empty((0,), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(kx), dw
+
+
+
+
+
+def _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask) -> None:
+    ctx.save_for_backward(q, kx, weights, indices, offsets, starts, ends, mask)
+    ctx.scale, ctx.relu, ctx.causal, ctx.offset = scale, relu, causal, offset
+
+
+def _grads(ctx, grad_values: Tensor):
+    q, kx, weights, indices, offsets, starts, ends, mask = ctx.saved_tensors
+    dq, dkx, dw = torch.ops.hyscale.sparse_backward(
+        grad_values, q, kx, weights, indices, ctx.scale, ctx.relu, ctx.causal, ctx.offset,
+        offsets, starts, ends, mask)
+    return dq, dkx, (dw if weights is not None else None)
+
+
+def _select_setup(ctx, inputs, output) -> None:
+    q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill, sorted = inputs
+    _setup(ctx, q, kx, weights, output[1], scale, relu, causal, offset, offsets, starts, ends, mask)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _select_backward(ctx, grad_values, grad_indices):
+    dq, dkx, dw = _grads(ctx, grad_values)
+    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _rescore_setup(ctx, inputs, output) -> None:
+    q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill = inputs
+    _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask)
+
+
+def _rescore_backward(ctx, grad_values):
+    dq, dkx, dw = _grads(ctx, grad_values)
+    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, None, None
+
+
+select.register_autograd(_select_backward, setup_context=_select_setup)
+rescore.register_autograd(_rescore_backward, setup_context=_rescore_setup)

@@ -1,0 +1,5 @@
+"""Placeholder: the selection pass."""
+
+
+def run(gm, debug_dir=None):
+    return []
