@@ -75,7 +75,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
     check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
     vis = _vis(causal, offset, offsets, starts, ends, mask, bias)
     impl = dispatch.kernels_for(q)
-    return impl.select(q, kx, weights, k, scale, relu, vis, fill)
+    return impl.select(q, kx, weights, k, scale, relu, vis, fill, sorted=sorted)
 
 
 @select.register_fake

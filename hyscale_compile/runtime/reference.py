@@ -125,7 +125,8 @@ def topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
-           vis: Visibility, fill: float) -> tuple[Tensor, Tensor]:
+           vis: Visibility, fill: float, sorted: bool = True) -> tuple[Tensor, Tensor]:
+    """Exact top-k per query row. ``sorted`` is accepted for the kernel interface; output is always sorted."""
     B, T, H, _ = q.shape
     S = kx.shape[1]
     values = torch.empty(B, T, k, dtype=torch.float32, device=q.device)
