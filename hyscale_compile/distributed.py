@@ -1,0 +1,198 @@
+"""Context-parallel indexer selection on ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
+
+Layout (the usual context-parallel one): a sequence of L tokens is split into ``world`` contiguous
+chunks; rank r holds the T = L / world queries at global positions [r*T, (r+1)*T) and the indexer
+keys ``kx`` of the same positions. A query at global position p sees the keys 0..p, so rank r needs
+the keys of ranks 0..r. Keys are small (S x D against the [T, S] score table), so every rank
+all-gathers them and runs selection with its global ``query_offset = r*T``:
+
+    values, indices = cp_indexer_topk(q_local, kx_local, k, weights=w_local, scale=s)
+
+``indices`` are global key positions; each row equals the single-process result for that row
+(indices identical, values bitwise) because the score of (t, s) does not depend on which other
+keys are scored with it (the operator contract's "one arithmetic").
+
+Overlap (``overlap=True``): the gather is issued asynchronously; while it is in flight the rank
+selects over its *own* keys (the diagonal block, causal with offset 0), then, once the gather
+lands, over the keys of lower ranks (all visible), and merges the two exact top-k lists by
+(value desc, position asc). The top k of a union is inside the union of the parts' top k under
+the same total order, so the merge is exact. Whether it pays depends on how long the gather is
+next to the diagonal block's selection; ``benchmarks/context_parallel.py`` measures it.
+
+Gradients: when ``kx_local`` requires grad, the gathered keys carry a backward that
+reduce-scatters their gradient back to the ranks that own them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .lowering.api import indexer_topk
+from .runtime.reference import order_key
+
+__all__ = ["cp_indexer_topk", "gather_keys", "global_positions", "merge_topk", "query_offset"]
+
+
+# ---------------------------------------------------------------------------------------------
+# positions
+
+
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def query_offset(local_len: int, group: dist.ProcessGroup | None = None) -> int:
+    """Global position of this rank's first query: ``rank * local_len``."""
+    rank, _ = _rank_world(group)
+    return rank * local_len
+
+
+def global_positions(local_len: int, group: dist.ProcessGroup | None = None,
+                     device: torch.device | str | None = None) -> Tensor:
+    """Global positions [rank*T, (rank+1)*T) of this rank's chunk, as an int64 tensor.
+
+    Handy for building masks from global positions in plain PyTorch, e.g.
+    ``torch.arange(S)[None] <= global_positions(T)[:, None]`` (the pass reads it as causal with offset).
+    """
+    start = query_offset(local_len, group)
+    return torch.arange(start, start + local_len, device=device, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# key gather (forward: all-gather; backward: reduce-scatter)
+
+# ``all_gather_single`` replaced ``all_gather_into_tensor`` in recent torch; use whichever exists.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Pending:
+    """An in-flight key gather: the output buffer and the work handle to wait on."""
+
+    def __init__(self, buf: Tensor, work: dist.Work | None, B: int) -> None:
+        self.buf, self.work, self.B = buf, work, B
+
+    def wait(self) -> Tensor:
+        """Block until the gather lands; returns the keys of all ranks as [B, world*S_local, D]."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        # buf is [world*S_local, B, D] (gathered along dim 0); for B == 1 the transpose is free.
+        return self.buf.transpose(0, 1)
+
+
+def _start_gather(kx_local: Tensor, group: dist.ProcessGroup | None, async_op: bool) -> _Pending:
+    _, world = _rank_world(group)
+    B, S_local, D = kx_local.shape
+    # Gather along the sequence: put it first so the ranks' chunks concatenate on dim 0.
+    send = kx_local.detach().transpose(0, 1).contiguous()
+    buf = send.new_empty((world * S_local, B, D))
+    work = _all_gather(buf, send, group=group, async_op=async_op)
+    return _Pending(buf, work if async_op else None, B)
+
+
+class _AttachKeyGrad(torch.autograd.Function):
+    """Identity on already-gathered keys whose backward reduce-scatters the gradient to the owners."""
+
+    @staticmethod
+    def forward(ctx, kx_local: Tensor, gathered: Tensor, group) -> Tensor:
+        ctx.group = group
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        _, world = _rank_world(ctx.group)
+        B, S, D = grad.shape
+        send = grad.transpose(0, 1).contiguous()  # [S, B, D]: chunks of S_local rows per rank
+        out = send.new_empty((S // world, B, D))
+        _reduce_scatter(out, send, group=ctx.group)
+        return out.transpose(0, 1), None, None
+
+
+def _with_grad(kx_local: Tensor, gathered: Tensor, group) -> Tensor:
+    if torch.is_grad_enabled() and kx_local.requires_grad:
+        return _AttachKeyGrad.apply(kx_local, gathered, group)
+    return gathered
+
+
+def gather_keys(kx_local: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """All ranks' keys [B, world*S_local, D] in global order (differentiable: backward reduce-scatters)."""
+    return _with_grad(kx_local, _start_gather(kx_local, group, async_op=False).wait(), group)
+
+
+# ---------------------------------------------------------------------------------------------
+# exact merge of two top-k lists
+
+
+def merge_topk(values_a: Tensor, indices_a: Tensor, values_b: Tensor, indices_b: Tensor,
+               k: int) -> tuple[Tensor, Tensor]:
+    """The k best of two top-k lists over disjoint key sets, by (value desc, position asc).
+
+    Uses the operator's own order (``order_key``: NaN highest, -0.0 == +0.0), so the result is the
+    top k of the union exactly as one selection over all keys would return it.
+    """
+    values = torch.cat([values_a, values_b], dim=-1)
+    indices = torch.cat([indices_a, indices_b], dim=-1)
+    # Two stable sorts: by position ascending, then by value descending keeps positions ascending on ties.
+    by_pos = indices.argsort(dim=-1, stable=True)
+    values, indices = values.gather(-1, by_pos), indices.gather(-1, by_pos)
+    by_val = torch.sort(order_key(values), dim=-1, descending=True, stable=True).indices[..., :k]
+    return values.gather(-1, by_val), indices.gather(-1, by_val)
+
+
+# ---------------------------------------------------------------------------------------------
+# context-parallel selection
+
+
+def _visible_len(rank: int, T: int, S: int, k: int) -> int:
+    """Keys a rank must pass to selection: up to its last query (rank+1)*T, and at least k.
+
+    Rows with fewer than k visible keys fill with the lowest masked positions, exactly as the
+    single-process result does, so at least k keys must be present.
+    """
+    return min(S, max((rank + 1) * T, k))
+
+
+def _can_overlap(rank: int, T: int, S_local: int, k: int) -> bool:
+    # The split (lower ranks' keys | own keys) covers every visible key only when queries and keys
+    # are sharded alike; both parts together must hold k keys for rows short of visible keys.
+    return rank > 0 and T == S_local and k <= S_local
+
+
+def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.ProcessGroup | None = None, *,
+                    weights: Tensor | None = None, scale: float = 1.0, relu: bool = True,
+                    overlap: bool = True, sorted: bool = True) -> tuple[Tensor, Tensor]:
+    """Causal indexer top-k for this rank's query chunk under context parallelism.
+
+    q_local [B, T, H, D] at global positions [rank*T, (rank+1)*T); kx_local [B, S_local, D] this
+    rank's keys (global positions [rank*S_local, (rank+1)*S_local)); weights [B, T, H] or None.
+    Every rank of ``group`` must call it (it runs a collective). Returns (values fp32 [B, T, k],
+    global indices int64 [B, T, k]), equal to rows [rank*T, (rank+1)*T) of the single-process
+    ``indexer_topk(q, kx, k, query_offset=0, ...)``.
+    ``sorted=False`` is honoured only on the non-overlapped path (the merge always sorts).
+    """
+    rank, world = _rank_world(group)
+    T, S_local = q_local.shape[1], kx_local.shape[1]
+    S = world * S_local
+    torch._check(k <= S, lambda: f"cp_indexer_topk: k={k} is larger than the number of keys S={S}")
+    offset = rank * T
+    kw = dict(weights=weights, scale=scale, relu=relu)
+    pending = _start_gather(kx_local, group, async_op=True)
+    needs_grad = torch.is_grad_enabled() and kx_local.requires_grad
+    if overlap and rank == 0 and k <= S_local and T == S_local and not needs_grad:
+        # Rank 0 sees only its own keys: select now, wait only to complete the collective.
+        # (With grad it takes the gathered path so every rank joins the backward reduce-scatter.)
+        out = indexer_topk(q_local, kx_local, k, query_offset=0, sorted=sorted, **kw)
+        pending.wait()
+        return out
+    if not (overlap and _can_overlap(rank, T, S_local, k)):
+        keys = _with_grad(kx_local, pending.wait(), group)[:, :_visible_len(rank, T, S, k)]
+        return indexer_topk(q_local, keys, k, query_offset=offset, sorted=sorted, **kw)
+    # While the gather is in flight: the diagonal block (own keys, causal, same local offset 0).
+    v_own, i_own = indexer_topk(q_local, kx_local, k, query_offset=0, **kw)
+    before = _with_grad(kx_local, pending.wait(), group)[:, :rank * S_local]
+    # Keys of lower ranks are all visible to every local query; query_offset keeps the mask exact anyway.
+    v_low, i_low = indexer_topk(q_local, before, min(k, before.shape[1]), query_offset=offset, **kw)
+    return merge_topk(v_low, i_low, v_own, i_own + rank * S_local, k)
