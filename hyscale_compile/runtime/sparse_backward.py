@@ -1,0 +1,176 @@
+"""Gather-based Triton backward of the indexer selection: gradients through the k selected scores only.
+
+For each query row (b, t) and each pick j with key s = indices[b, t, j] and upstream gradient g[j]:
+
+    pre[h, j]  = scale * q[b, t, h, :] . kx[b, s, :]          (fp32 accumulation, as the forward)
+    dw[h]     += g[j] * act(pre[h, j])
+    gpre[h, j] = g[j] * w[h] * scale * act'(pre[h, j])
+    dq[h, :]  += gpre[h, j] * kx[b, s, :]
+    dkx[b, s] += sum_h gpre[h, j] * q[b, t, h, :]
+
+dq and dw are per row, so one program per row writes them once. dkx collects picks of many rows:
+the atomic path adds them with float atomics (order-dependent bits); the deterministic path writes
+each pick's contribution to a buffer, sorts the picks by key (stable), and sums each key's segment
+in that fixed order. Masked picks (not visible) get a zero upstream gradient, so they add nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .reference import Visibility
+
+# Deterministic dkx even when the caller allows atomics: chosen by the training benchmark
+# (deterministic unless it costs more than 1.3x the atomic path).
+PREFER_DETERMINISTIC = True
+
+# Upper bound on the fp32 contribution buffer of the deterministic path; rows go in chunks under it.
+_CONTRIB_BYTES = 1 << 30
+
+
+@triton.jit
+def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, contrib_ptr,
+                t0, R, T, H, S, K, D, scale,
+                HAS_W: tl.constexpr, RELU: tl.constexpr, ATOMIC: tl.constexpr, LOW_PREC: tl.constexpr,
+                BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    # One program per query row of the chunk: pid = b * R + r, the row is t = t0 + r.
+    pid = tl.program_id(0)
+    b = (pid // R).to(tl.int64)
+    t = t0 + (pid % R).to(tl.int64)
+    row = b * T + t
+    hs = tl.arange(0, BH)
+    ds = tl.arange(0, BD)
+    js = tl.arange(0, BK)
+    hmask = hs < H
+    dmask = ds < D
+    qt = tl.load(q_ptr + row * H * D + hs[:, None] * D + ds[None, :],
+                 mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if HAS_W:
+        wv = tl.load(w_ptr + row * H + hs, mask=hmask, other=0.0).to(tl.float32)
+    else:
+        wv = tl.where(hmask, 1.0, 0.0)
+    kx_b = kx_ptr + b * S * D
+    dq_acc = tl.zeros((BH, BD), dtype=tl.float32)
+    dw_acc = tl.zeros((BH,), dtype=tl.float32)
+    # while loops, not range(): the interpreter cannot take range() over runtime scalars with numpy 2.
+    k0 = 0
+    while k0 < K:
+        jmask = (k0 + js) < K
+        ids = tl.load(idx_ptr + row * K + k0 + js, mask=jmask, other=0).to(tl.int64)
+        gv = tl.load(g_ptr + row * K + k0 + js, mask=jmask, other=0.0)
+        kd_mask = jmask[:, None] & dmask[None, :]
+        kg = tl.load(kx_b + ids[:, None] * D + ds[None, :], mask=kd_mask, other=0.0)
+        # The gate's dot uses the forward's arithmetic: inputs as stored, fp32 accumulation.
+        if LOW_PREC:
+            pre = tl.dot(qt, tl.trans(kg)) * scale
+        else:
+            pre = tl.dot(qt, tl.trans(kg), input_precision="ieee") * scale
+        if RELU:
+            act = tl.maximum(pre, 0.0)
+        else:
+            act = pre
+        dw_acc += tl.sum(act * gv[None, :], axis=1)
+        gp = gv[None, :] * wv[:, None] * scale
+        if RELU:
+            gp = tl.where(pre > 0.0, gp, 0.0)
+        if LOW_PREC:
+            gp_lo = gp.to(kg.dtype)
+            dq_acc += tl.dot(gp_lo, kg)
+            contrib = tl.dot(tl.trans(gp_lo), qt)
+        else:
+            dq_acc += tl.dot(gp, kg, input_precision="ieee")
+            contrib = tl.dot(tl.trans(gp), qt, input_precision="ieee")
+        if ATOMIC:
+            tl.atomic_add(dkx_ptr + b * S * D + ids[:, None] * D + ds[None, :], contrib, mask=kd_mask)
+        else:
+            tl.store(contrib_ptr + pid.to(tl.int64) * K * D + (k0 + js)[:, None] * D + ds[None, :], contrib,
+                     mask=kd_mask)
+        k0 += BK
+    tl.store(dq_ptr + row * H * D + hs[:, None] * D + ds[None, :], dq_acc, mask=hmask[:, None] & dmask[None, :])
+    if HAS_W:
+        tl.store(dw_ptr + row * H + hs, dw_acc, mask=hmask)
+
+
+@triton.jit
+def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, D, BD: tl.constexpr):
+    # One program per key position p = b * S + s: add its picks in sorted (stable) order.
+    p = tl.program_id(0).to(tl.int64)
+    ds = tl.arange(0, BD)
+    dmask = ds < D
+    start = tl.load(seg_ptr + p)
+    end = tl.load(seg_ptr + p + 1)
+    acc = tl.load(dkx_ptr + p * D + ds, mask=dmask, other=0.0)
+    i = start
+    while i < end:
+        src = tl.load(perm_ptr + i)
+        acc += tl.load(contrib_ptr + src * D + ds, mask=dmask, other=0.0)
+        i += 1
+    tl.store(dkx_ptr + p * D + ds, acc, mask=dmask)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _masked_grad(grad_values: Tensor, indices: Tensor, vis: Visibility, S: int) -> Tensor:
+    """Upstream gradient with masked picks zeroed: their value is a constant fill."""
+    B, T, _ = indices.shape
+    g = grad_values.float()
+    visible = vis.at(0, T, indices, (B, T, S))
+    if visible is not None:
+        g = torch.where(visible, g, torch.zeros_like(g))
+    return g.contiguous()
+
+
+def _segments(keys: Tensor, n_keys: int) -> tuple[Tensor, Tensor]:
+    """Stable order of picks by key and each key's [start, end) in that order (no host sync)."""
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=keys.device, dtype=keys.dtype))
+    return perm.contiguous(), bounds.contiguous()
+
+
+def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
+                    scale: float, relu: bool, vis: Visibility, deterministic: bool = False
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Gradients of sum(grad_values * values) w.r.t. q, kx, weights (contract: ``reference.sparse_backward``).
+
+    deterministic=True forbids float atomics; False lets ``PREFER_DETERMINISTIC`` decide.
+    """
+    B, T, H, D = q.shape
+    S, K = kx.shape[1], indices.shape[-1]
+    use_atomics = not (deterministic or PREFER_DETERMINISTIC)
+    g = _masked_grad(grad_values, indices, vis, S)
+    low = q.dtype != torch.float32 and kx.dtype == q.dtype
+    # Mixed or fp32 inputs go through fp32 (tl.dot needs one input dtype).
+    qc = q.contiguous() if low else q.float().contiguous()
+    kxc = kx.contiguous() if low else kx.float().contiguous()
+    idx = indices.contiguous()
+    wc = weights.contiguous() if weights is not None else qc
+    dq = torch.empty(B, T, H, D, dtype=torch.float32, device=q.device)
+    dw = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if weights is not None else dq
+    dkx = torch.zeros(B, S, D, dtype=torch.float32, device=q.device)
+    if B * T == 0 or K == 0:
+        dq.zero_()
+        dw.zero_()
+        return _finish(dq, dkx, dw, q, kx, weights)
+    BH, BD = _pow2(H), _pow2(D)
+    BK = 32 if BH * BD <= 4096 else 16
+    rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
+    for t0 in range(0, T, rows):
+        R = min(rows, T - t0)
+        contrib = dkx if use_atomics else torch.empty(B * R * K * D, dtype=torch.float32, device=q.device)
+        _row_kernel[(B * R,)](g, qc, kxc, wc, idx, dq, dw, dkx, contrib, t0, R, T, H, S, K, D, float(scale),
+                              HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
+                              BH=BH, BK=BK, BD=BD, num_warps=8 if BH * BD > 4096 else 4)
+        if not use_atomics:
+            keys = (idx[:, t0:t0 + R] + torch.arange(B, device=q.device).view(B, 1, 1) * S).reshape(-1)
+            perm, seg = _segments(keys, B * S)
+            _segment_kernel[(B * S,)](contrib, perm, seg, dkx, D, BD=BD)
+    return _finish(dq, dkx, dw, q, kx, weights)
+
+
+def _finish(dq: Tensor, dkx: Tensor, dw: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None):
+    return (dq.to(q.dtype), dkx.to(kx.dtype), None if weights is None else dw.to(weights.dtype))
