@@ -1,0 +1,224 @@
+"""Context parallelism and FSDP2 on 2 gloo ranks (CPU reference kernels, tiny sizes).
+
+Each test spawns 2 processes with ``torch.multiprocessing``; ranks assert inside the worker (a
+failure surfaces as the child's traceback) and rank 0 writes what the parent checks to a JSON file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+WORLD = 2
+_TIMEOUT_S = 240  # a deadlocked collective fails the test instead of hanging CI
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, *args) -> None:
+    """Run fn(rank, port, *args) on WORLD processes; raise the first child's error; kill on timeout."""
+    ctx = mp.start_processes(fn, args=(_free_port(), *args), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + _TIMEOUT_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"distributed workers did not finish within {_TIMEOUT_S} s")
+
+
+def _init(rank: int, port: int) -> None:
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# context-parallel selection == single process
+
+# (B, L, H, D, k, dtype): k below a chunk, k above a chunk (rows short of visible keys), batch 2, bf16.
+_CP_CASES = [
+    (1, 64, 4, 16, 8, torch.float32),
+    (2, 48, 3, 8, 20, torch.bfloat16),
+    (1, 32, 2, 8, 24, torch.float32),
+]
+
+
+def _cp_inputs(B: int, L: int, H: int, D: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(L * 7 + H)
+    q = torch.randn(B, L, H, D, generator=g).to(dtype)
+    kx = torch.randn(B, L, D, generator=g).to(dtype)
+    w = torch.randn(B, L, H, generator=g)
+    return q, kx, w
+
+
+def _cp_equal_worker(rank: int, port: int) -> None:
+    from hyscale_compile import indexer_topk
+    from hyscale_compile.distributed import cp_indexer_topk, global_positions, query_offset
+
+    _init(rank, port)
+    try:
+        for B, L, H, D, k, dtype in _CP_CASES:
+            q, kx, w = _cp_inputs(B, L, H, D, dtype)
+            ref_v, ref_i = indexer_topk(q, kx, k, weights=w, scale=0.5, query_offset=0)
+            T = L // WORLD
+            rows = slice(rank * T, (rank + 1) * T)
+            assert query_offset(T) == rank * T
+            assert torch.equal(global_positions(T), torch.arange(L)[rows])
+            for overlap in (False, True):
+                v, i = cp_indexer_topk(q[:, rows].contiguous(), kx[:, rows].contiguous(), k,
+                                       weights=w[:, rows].contiguous(), scale=0.5, overlap=overlap)
+                case = f"rank {rank} B={B} L={L} k={k} {dtype} overlap={overlap}"
+                assert torch.equal(i, ref_i[:, rows]), f"{case}: indices differ"
+                assert torch.equal(_bits(v), _bits(ref_v[:, rows])), f"{case}: values differ bitwise"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cp_selection_equals_single_process() -> None:
+    _spawn(_cp_equal_worker)
+
+
+def _cp_grad_worker(rank: int, port: int) -> None:
+    from hyscale_compile import indexer_topk
+    from hyscale_compile.distributed import cp_indexer_topk
+
+    _init(rank, port)
+    try:
+        B, L, H, D, k = 1, 32, 2, 8, 4
+        q, kx, w = _cp_inputs(B, L, H, D, torch.float32)
+        g = torch.randn(B, L, k, generator=torch.Generator().manual_seed(3))
+        qa, kxa, wa = (t.clone().requires_grad_() for t in (q, kx, w))
+        ref_v, _ = indexer_topk(qa, kxa, k, weights=wa, query_offset=0)
+        ref_v.backward(g)
+        T = L // WORLD
+        rows = slice(rank * T, (rank + 1) * T)
+        for overlap in (False, True):
+            ql, kl, wl = (t[:, rows].clone().requires_grad_() for t in (q, kx, w))
+            v, _ = cp_indexer_topk(ql, kl, k, weights=wl, overlap=overlap)
+            v.backward(g[:, rows])
+            # Gradients of kx sum contributions of both ranks (reduce-scatter): equal up to rounding.
+            for name, got, ref in (("q", ql.grad, qa.grad[:, rows]), ("kx", kl.grad, kxa.grad[:, rows]),
+                                   ("w", wl.grad, wa.grad[:, rows])):
+                where = f"rank {rank} d{name} overlap={overlap}"
+                torch.testing.assert_close(got, ref, msg=lambda m, where=where: f"{where}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cp_selection_gradients_match_single_process() -> None:
+    _spawn(_cp_grad_worker)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 + backend="hyscale"
+
+
+class CPIndexerBlock(nn.Module):
+    """A sparse-attention block whose indexer is plain PyTorch with a global-position causal mask.
+
+    Every rank gets the whole sequence (keys are cheap) and computes queries for its own chunk
+    [rank*T, (rank+1)*T), which is context parallelism without communication inside the model.
+    """
+
+    def __init__(self, dim: int = 32, heads: int = 4, head_dim: int = 16, k: int = 4) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.k = heads, head_dim, k
+        self.wq = nn.Linear(dim, heads * head_dim)
+        self.wk = nn.Linear(dim, head_dim)
+        self.ww = nn.Linear(dim, heads)
+        self.wv = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, rank: int, T: int) -> torch.Tensor:
+        B, L, _ = x.shape
+        xq = x[:, rank * T:(rank + 1) * T]
+        q = self.wq(xq).view(B, T, self.heads, self.head_dim)
+        kx = self.wk(x)
+        w = self.ww(xq)
+        score = torch.relu(torch.einsum("bthd,bsd->bths", q, kx) * self.head_dim ** -0.5)
+        score = (score * w[..., None]).sum(2)
+        mask = torch.arange(L, device=x.device)[None] <= (torch.arange(T, device=x.device) + rank * T)[:, None]
+        score = score.masked_fill(~mask, float("-inf"))
+        idx = score.topk(self.k, dim=-1).indices
+        sel = score.gather(-1, idx)
+        v = self.wv(x)
+        picked = v.gather(1, idx.reshape(B, -1, 1).expand(B, T * self.k, v.shape[-1])).view(B, T, self.k, -1)
+        return (torch.softmax(sel, -1)[..., None] * picked).sum(2)
+
+
+_FSDP_STEPS = 3
+
+
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, port)
+    try:
+        torch.manual_seed(0)
+        model = CPIndexerBlock()
+        fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        compiled = torch.compile(model, backend="hyscale")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        L, T = 32, 16
+        x = torch.randn(2, L, 32, generator=gen)
+        y = torch.randn(2, T, 32, generator=gen)
+        with torch.no_grad():
+            eager_loss = (model(x, rank, T) - y).pow(2).mean().item()
+        losses = []
+        for _ in range(_FSDP_STEPS):
+            loss = (compiled(x, rank, T) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        after = [p.detach().full_tensor() for p in model.parameters()]
+        result = {"losses": losses, "eager_loss": eager_loss,
+                  "updated": [not torch.equal(a, b) for a, b in zip(before, after)],
+                  "counters": dict(counters["hyscale"])}
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fsdp") / "rank0.json"
+    _spawn(_fsdp_worker, str(out))
+    return json.loads(out.read_text())
+
+
+def test_fsdp2_hyscale_trains(fsdp_run: dict) -> None:
+    losses = fsdp_run["losses"]
+    assert len(losses) == _FSDP_STEPS and all(math.isfinite(x) for x in losses), losses
+    assert all(fsdp_run["updated"]), f"some parameters did not change: {fsdp_run['updated']}"
+    assert losses[-1] < losses[0], f"loss did not go down: {losses}"
+    # The compiled (rewritten) forward computes what the eager model computes.
+    assert losses[0] == pytest.approx(fsdp_run["eager_loss"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.xfail(strict=False, reason="needs the selection pass")
+def test_fsdp2_hyscale_rewrites_the_site(fsdp_run: dict) -> None:
+    assert fsdp_run["counters"].get("selection_rewritten", 0) >= 1, fsdp_run["counters"]
