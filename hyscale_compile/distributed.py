@@ -127,17 +127,20 @@ def gather_keys(kx_local: Tensor, group: dist.ProcessGroup | None = None) -> Ten
 
 
 def merge_topk(values_a: Tensor, indices_a: Tensor, values_b: Tensor, indices_b: Tensor,
-               k: int) -> tuple[Tensor, Tensor]:
+               k: int, *, ordered: bool = False) -> tuple[Tensor, Tensor]:
     """The k best of two top-k lists over disjoint key sets, by (value desc, position asc).
 
     Uses the operator's own order (``order_key``: NaN highest, -0.0 == +0.0), so the result is the
     top k of the union exactly as one selection over all keys would return it.
+    ``ordered=True`` promises that both lists are sorted (value desc, position asc) and that every
+    position of ``a`` is below every position of ``b``; one stable sort then suffices (half the work).
     """
     values = torch.cat([values_a, values_b], dim=-1)
     indices = torch.cat([indices_a, indices_b], dim=-1)
-    # Two stable sorts: by position ascending, then by value descending keeps positions ascending on ties.
-    by_pos = indices.argsort(dim=-1, stable=True)
-    values, indices = values.gather(-1, by_pos), indices.gather(-1, by_pos)
+    if not ordered:
+        # Stable sort by position first, so the stable sort by value keeps positions ascending on ties.
+        by_pos = indices.argsort(dim=-1, stable=True)
+        values, indices = values.gather(-1, by_pos), indices.gather(-1, by_pos)
     by_val = torch.sort(order_key(values), dim=-1, descending=True, stable=True).indices[..., :k]
     return values.gather(-1, by_val), indices.gather(-1, by_val)
 
@@ -195,4 +198,5 @@ def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.Proce
     before = _with_grad(kx_local, pending.wait(), group)[:, :rank * S_local]
     # Keys of lower ranks are all visible to every local query; query_offset keeps the mask exact anyway.
     v_low, i_low = indexer_topk(q_local, before, min(k, before.shape[1]), query_offset=offset, **kw)
-    return merge_topk(v_low, i_low, v_own, i_own + rank * S_local, k)
+    # Lower ranks' positions all precede this rank's: the cheap ordered merge applies.
+    return merge_topk(v_low, i_low, v_own, i_own + rank * S_local, k, ordered=True)

@@ -52,6 +52,31 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# exact merge of two top-k lists (no processes needed)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_merge_topk_equals_topk_of_union(ordered: bool) -> None:
+    from hyscale_compile.distributed import merge_topk
+    from hyscale_compile.runtime.reference import topk_rows
+
+    g = torch.Generator().manual_seed(0)
+    # Small integers make many ties; -inf, NaN and -0.0 exercise the operator's order.
+    row = torch.randint(-3, 4, (5, 7, 40), generator=g).float()
+    row[..., 3] = float("-inf")
+    row[..., 5] = float("nan")
+    row[..., 30] = -0.0
+    k, split = 12, 17
+    ref_v, ref_i = topk_rows(row, k)
+    va, ia = topk_rows(row[..., :split], k)
+    vb, ib = topk_rows(row[..., split:], k)
+    a, b = ((vb, ib + split), (va, ia)) if not ordered else ((va, ia), (vb, ib + split))
+    v, i = merge_topk(*a, *b, k, ordered=ordered)  # unordered: give the later range first on purpose
+    assert torch.equal(i, ref_i)
+    assert torch.equal(_bits(v), _bits(ref_v))
+
+
+# ---------------------------------------------------------------------------------------------
 # context-parallel selection == single process
 
 # (B, L, H, D, k, dtype): k below a chunk, k above a chunk (rows short of visible keys), batch 2, bf16.
