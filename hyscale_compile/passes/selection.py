@@ -1,5 +1,316 @@
-"""Placeholder: the selection pass."""
+"""The selection pass: find every top-k over an indexer score, prove the rewrite legal, rewrite it.
+
+For each ``topk`` node of a Dynamo graph (and of the checkpoint bodies it calls):
+  1. read its input as an index expression (``index_expr.interpret``);
+  2. prove that nothing but the selection (and gathers at the selected indices) reads the score
+     table or any intermediate of its computation, so the table need never exist;
+  3. replace the site with ``torch.ops.hyscale.select`` on the model's own q, k, weights and masks.
+A site that fails any step is left exactly as it was, and its report says why.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from . import debug, masks
+from .graph_ops import arg, dtype, named_arg, normalize_dim, op_name, shape, source_line
+from .index_expr import Leaf, Reject, Score, interpret, positive_scale
+from .report import SiteReport, record, symbolic_bytes
+
+# Tests set HYSCALE_STRICT=1 so that an internal error fails loudly instead of skipping the site.
+STRICT = os.environ.get("HYSCALE_STRICT", "0") == "1"
 
 
-def run(gm, debug_dir=None):
-    return []
+@dataclass
+class Site:
+    topk: fx.Node
+    score_node: fx.Node
+    s_dim: int
+    k: object
+    sorted: bool
+    values: list[fx.Node]  # getitem(topk, 0)
+    indices: list[fx.Node]  # getitem(topk, 1)
+    gathers: list[fx.Node]  # score.gather(s_dim, indices)
+
+
+def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
+    """Rewrite every provable site in ``gm`` and its subgraphs; return one report per top-k site."""
+    reports: list[SiteReport] = []
+    for name, sub in _graph_modules(gm):
+        before = sub.print_readable(print_output=False)
+        found = [n for n in sub.graph.nodes if op_name(n) == "topk"]
+        for node in found:
+            reports.append(_run_site(sub, name, node))
+        if any(r.decision == "rewritten" and r.graph == name for r in reports):
+            sub.graph.lint()
+            sub.recompile()
+        debug.dump(name, before, sub, debug_dir)
+    return reports
+
+
+def _graph_modules(gm: fx.GraphModule):
+    """The graph and every subgraph module it owns (checkpoint bodies, other higher-order op bodies)."""
+    for name, mod in gm.named_modules():
+        if isinstance(mod, fx.GraphModule):
+            yield (name or "graph"), mod
+
+
+def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
+    report = SiteReport(graph=graph_name, node=node.name, source=source_line(node), decision="rejected", reason="")
+    try:
+        site = _site(node)
+        report.k = str(site.k)
+        sc = interpret(site.score_node, site.s_dim)
+        _check_readers(site, sc)
+        _describe(report, site, sc)
+        plan = masks.plan(sc)
+        report.mask_kind = plan.kind
+        _rewrite_or_restore(gm, site, sc, plan)
+        report.decision = "rewritten"
+        report.reason = "; ".join(plan.notes) or "indexer form proven"
+    except Reject as err:
+        report.reason = err.reason
+    except Exception as err:  # a bug of ours must never break the user's compile: leave the site alone
+        if STRICT:
+            raise
+        report.reason = f"hyscale internal error, site left alone (please report): {type(err).__name__}: {err}"
+    record(report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# step 1: the site
+
+
+def _site(node: fx.Node) -> Site:
+    score = arg(node, 0, "input")
+    if not isinstance(score, fx.Node) or shape(score) is None:
+        raise Reject("top-k input is not a tensor of this graph", node)
+    ndim = len(shape(score))
+    dim = named_arg(node, "dim", -1)
+    if not isinstance(dim, int):
+        raise Reject("top-k dim is not a constant", node)
+    if not named_arg(node, "largest", True):
+        raise Reject("top-k with largest=False selects the lowest scores", node)
+    values, indices = [], []
+    for user in node.users:
+        if op_name(user) != "getitem" or user.args[1] not in (0, 1):
+            raise Reject(f"the top-k result is used by {user.target} directly", node)
+        (values if user.args[1] == 0 else indices).append(user)
+    s_dim = normalize_dim(dim, ndim)
+    gathers = [u for u in score.users if u is not node and _is_gather_at(u, score, s_dim, ndim, indices)]
+    return Site(node, score, s_dim, named_arg(node, "k"), bool(named_arg(node, "sorted", True)),
+                values, indices, gathers)
+
+
+def _is_gather_at(user: fx.Node, score: fx.Node, s_dim: int, ndim: int, indices: list[fx.Node]) -> bool:
+    if op_name(user) != "gather" or named_arg(user, "input") is not score:
+        return False
+    dim = named_arg(user, "dim")
+    return isinstance(dim, int) and normalize_dim(dim, ndim) == s_dim and named_arg(user, "index") in indices
+
+
+# ---------------------------------------------------------------------------------------------
+# step 2: nothing else reads the table
+
+
+def _check_readers(site: Site, sc: Score) -> None:
+    allowed = {site.topk, *site.gathers}
+    for user in site.score_node.users:
+        if user not in allowed:
+            raise Reject(f"the score table is read by {_what(user)} at {source_line(user)}, so it must be "
+                         "written; selection is left as it is", site.topk)
+    chain = set(sc.nodes)
+    for n in sc.nodes:
+        if n is site.score_node:
+            continue
+        for user in n.users:
+            if user not in chain:
+                raise Reject(f"an intermediate of the score ({n.name}, e.g. the per-head scores) is read by "
+                             f"{_what(user)} at {source_line(user)}", site.topk)
+
+
+def _what(node: fx.Node) -> str:
+    if node.op == "output":
+        return "the graph output"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _describe(report: SiteReport, site: Site, sc: Score) -> None:
+    q, k = shape(sc.q.node), shape(sc.k.node)
+    report.shapes = {"q": _fmt(q), "kx": _fmt(k), "score": _fmt(shape(site.score_node))}
+    if sc.weights:
+        report.shapes["weights"] = _fmt(shape(sc.weights[0].node))
+    score_elems = symbolic_bytes(*shape(site.score_node))
+    if score_elems is not None:
+        avoided = score_elems * 4
+        if sc.head is not None:
+            head_size = _label_size(sc, sc.head)
+            per_head = symbolic_bytes(score_elems, head_size) if head_size is not None else None
+            avoided += (per_head or 0) * 4
+        report.table_bytes_avoided = avoided
+
+
+def _label_size(sc: Score, label) -> object:
+    for leaf in (sc.q, sc.k):
+        if label in leaf.labels:
+            return shape(leaf.node)[leaf.labels.index(label)]
+    return None
+
+
+def _fmt(s) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]" if s is not None else "?"
+
+
+# ---------------------------------------------------------------------------------------------
+# step 3: rewrite
+
+
+def _peel(leaf: Leaf) -> tuple[fx.Node, tuple]:
+    """Walk under views and exact 16->32-bit upcasts so the op sees the model's own 16-bit tensor."""
+    node, labels = leaf.node, list(leaf.labels)
+    while True:
+        name, src = op_name(node), node.args[0] if node.args else None
+        if name in ("float", "to") and dtype(node) == torch.float32 and dtype(src) in (torch.bfloat16, torch.float16) \
+                and shape(src) == shape(node):
+            node = src
+        elif name == "identity":
+            node = src
+        elif name == "unsqueeze":
+            d = normalize_dim(named_arg(node, "dim"), len(labels))
+            if labels[d] is not None:
+                break
+            del labels[d]
+            node = src
+        elif name == "transpose":
+            a, b = (normalize_dim(x, len(labels)) for x in (named_arg(node, "dim0"), named_arg(node, "dim1")))
+            labels[a], labels[b] = labels[b], labels[a]
+            node = src
+        else:
+            break
+    return node, tuple(labels)
+
+
+def _canonical(graph: fx.Graph, node: fx.Node, labels: tuple, order: tuple) -> fx.Node:
+    """A view of ``node`` with dims in ``order`` (labels); size-1 dims are inserted for missing labels."""
+    for d in reversed([i for i, lab in enumerate(labels) if lab is None]):
+        node = graph.call_method("squeeze", (node, d))
+    present = [lab for lab in labels if lab is not None]
+    wanted = [lab for lab in order if lab in present]
+    if any(lab not in order for lab in present):
+        raise Reject("an input has a dimension outside the indexer form")
+    perm = [present.index(lab) for lab in wanted]
+    if perm != list(range(len(perm))):
+        node = graph.call_method("permute", (node, *perm))
+    for i, lab in enumerate(order):
+        if lab not in present:
+            node = graph.call_method("unsqueeze", (node, i))
+    return node
+
+
+def _product(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node | None:
+    out = None
+    for n in nodes:
+        out = n if out is None else graph.call_function(torch.mul, (out, n))
+    return out
+
+
+def _rewrite_or_restore(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) -> None:
+    """Rewrite; if a check inside the rewrite fails, remove what it inserted so the graph is unchanged."""
+    existing = set(gm.graph.nodes)
+    try:
+        _rewrite(gm, site, sc, plan)
+    except Exception:
+        for n in reversed([n for n in gm.graph.nodes if n not in existing]):
+            gm.graph.erase_node(n)
+        raise
+
+
+def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) -> None:
+    graph = gm.graph
+    scale = positive_scale(sc, site.topk)
+    batch = sc.batch[0] if sc.batch else None
+    T, H, S, D = sc.query, sc.head, sc.key, sc.contracted
+    if {lab for lab in sc.dims if lab is not None} != {lab for lab in (batch, T, S) if lab is not None}:
+        raise Reject("the selected tensor is not laid out as [batch, query, key]", site.topk)
+    with graph.inserting_before(site.topk):
+        qn, ql = _peel(sc.q)
+        kn, kl = _peel(sc.k)
+        q = _canonical(graph, qn, ql, (batch, T, H, D))
+        k = _canonical(graph, kn, kl, (batch, S, D))
+        if dtype(qn) != dtype(kn):  # one side genuinely fp32: score both in fp32
+            q = graph.call_method("float", (q,)) if dtype(qn) != torch.float32 else q
+            k = graph.call_method("float", (k,)) if dtype(kn) != torch.float32 else k
+        pre = _product(graph, [_canonical(graph, *_peel(f), (batch, T, H)) for f in sc.pre])
+        if pre is not None:
+            q = graph.call_function(torch.mul, (q, graph.call_method("unsqueeze", (pre, -1))))
+        w = _product(graph, [_canonical(graph, *_peel(f), (batch, T, H)) for f in sc.weights])
+        if sc.post_scale < 0:
+            w = graph.call_function(torch.neg, (w,))
+        if w is not None and any(dtype(f.node) != torch.float32 for f in sc.weights):
+            w = graph.call_method("float", (w,))
+        bool_mask, bias = plan.emit(graph, (batch, T, S), _canonical)
+        values, indices = _call_select(graph, q, k, w, site, scale, sc, plan, bool_mask, bias)
+        values, indices = (_to_layout(graph, x, sc, batch, T, S) for x in (values, indices))
+        if dtype(site.score_node) != torch.float32:
+            values = graph.call_method("to", (values, dtype(site.score_node)))
+    for user in site.values + site.gathers:
+        user.replace_all_uses_with(values)
+    for user in site.indices:
+        user.replace_all_uses_with(indices)
+    for n in site.gathers + site.values + site.indices + [site.topk] + list(reversed(sc.nodes)):
+        if not n.users:
+            graph.erase_node(n)
+    _erase_dead_inputs(graph, sc)
+
+
+# Ops that only compute tensors (no side effects): what fed the old score and is now unused can go.
+_PURE = {"unsqueeze", "transpose", "permute", "identity", "float", "to", "squeeze", "reshape", "getitem",
+         "invert", "and", "or", "le", "lt", "ge", "gt", "add", "sub", "mul", "neg", "arange", "full", "ones",
+         "zeros", "triu", "tril"}
+
+
+def _erase_dead_inputs(graph: fx.Graph, sc: Score) -> None:
+    """Erase the views, casts and mask constructions that only fed the old score (now unused)."""
+    todo = [leaf.node for leaf in (sc.q, sc.k, *sc.pre, *sc.weights, *sc.bias, *sc.keep)]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n.users or n.op != "call_function" and n.op != "call_method":
+            continue
+        if op_name(n) not in _PURE or (op_name(n) == "getitem" and not _is_tensor_index(n)):
+            continue
+        todo.extend(a for a in n.all_input_nodes)
+        graph.erase_node(n)
+
+
+def _is_tensor_index(n: fx.Node) -> bool:
+    return isinstance(n.args[0], fx.Node) and shape(n.args[0]) is not None
+
+
+def _call_select(graph, q, k, w, site: Site, scale: float, sc: Score, plan, bool_mask, bias):
+    out = graph.call_function(
+        torch.ops.hyscale.select.default,
+        (q, k, w, site.k, scale, sc.relu, plan.causal, plan.offset, None, plan.starts, plan.ends,
+         bool_mask, bias, plan.fill, site.sorted))
+    return graph.call_function(operator.getitem, (out, 0)), graph.call_function(operator.getitem, (out, 1))
+
+
+def _to_layout(graph: fx.Graph, node: fx.Node, sc: Score, batch, T, S) -> fx.Node:
+    """From the op's [B, T, k] to the layout the model's top-k produced (its score's dims, S -> k)."""
+    canon = (batch, T, S) if batch is not None else (T, S)
+    if batch is None:
+        node = graph.call_method("squeeze", (node, 0))
+    real = [lab for lab in sc.dims if lab is not None]
+    perm = [canon.index(lab) for lab in real]
+    if perm != list(range(len(perm))):
+        node = graph.call_method("permute", (node, *perm))
+    for i, lab in enumerate(sc.dims):
+        if lab is None:
+            node = graph.call_method("unsqueeze", (node, i))
+    return node
+

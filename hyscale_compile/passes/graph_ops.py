@@ -1,0 +1,171 @@
+"""One name per operation, whatever spelling the Dynamo graph used (function, method, operator).
+
+Dynamo graphs keep the user's spelling: ``torch.relu(x)``, ``F.relu(x)`` and ``x.relu()`` are three
+different targets. The passes ask ``op_name(node)`` and read arguments with ``arg(node, i, name)``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+_FUNCTIONS: dict[Any, str] = {
+    torch.einsum: "einsum",
+    torch.functional.einsum: "einsum",
+    torch.matmul: "matmul",
+    operator.matmul: "matmul",
+    torch.bmm: "matmul",
+    torch.relu: "relu",
+    F.relu: "relu",
+    operator.mul: "mul",
+    torch.mul: "mul",
+    operator.truediv: "div",
+    torch.div: "div",
+    torch.true_divide: "div",
+    operator.add: "add",
+    torch.add: "add",
+    operator.sub: "sub",
+    torch.sub: "sub",
+    operator.neg: "neg",
+    torch.neg: "neg",
+    torch.sum: "sum",
+    torch.masked_fill: "masked_fill",
+    torch.where: "where",
+    torch.topk: "topk",
+    torch.sort: "sort",
+    torch.gather: "gather",
+    torch.transpose: "transpose",
+    torch.permute: "permute",
+    torch.unsqueeze: "unsqueeze",
+    torch.squeeze: "squeeze",
+    torch.reshape: "reshape",
+    operator.getitem: "getitem",
+    operator.invert: "invert",
+    torch.logical_not: "invert",
+    torch.bitwise_not: "invert",
+    operator.and_: "and",
+    torch.logical_and: "and",
+    torch.bitwise_and: "and",
+    operator.or_: "or",
+    torch.logical_or: "or",
+    operator.le: "le",
+    operator.lt: "lt",
+    operator.ge: "ge",
+    operator.gt: "gt",
+    torch.le: "le",
+    torch.lt: "lt",
+    torch.ge: "ge",
+    torch.gt: "gt",
+    torch.arange: "arange",
+    torch.full: "full",
+    torch.ones: "ones",
+    torch.zeros: "zeros",
+    torch.triu: "triu",
+    torch.tril: "tril",
+}
+
+_METHODS: dict[str, str] = {
+    "matmul": "matmul", "bmm": "matmul", "relu": "relu", "mul": "mul", "div": "div", "add": "add",
+    "sub": "sub", "neg": "neg", "sum": "sum", "masked_fill": "masked_fill", "topk": "topk", "sort": "sort",
+    "gather": "gather", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
+    "squeeze": "squeeze", "view": "reshape", "reshape": "reshape", "float": "float", "to": "to",
+    "type": "to", "contiguous": "identity", "clone": "identity", "logical_not": "invert",
+    "bitwise_not": "invert", "logical_and": "and", "bitwise_and": "and", "logical_or": "or", "le": "le",
+    "lt": "lt", "ge": "ge", "gt": "gt", "triu": "triu", "tril": "tril", "__and__": "and", "__invert__": "invert",
+}
+
+# Arguments by position and name, per canonical op (enough for the forms the passes accept).
+_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "sum": ("input", "dim", "keepdim"),
+    "topk": ("input", "k", "dim", "largest", "sorted"),
+    "sort": ("input", "dim", "descending"),
+    "masked_fill": ("input", "mask", "value"),
+    "where": ("condition", "input", "other"),
+    "gather": ("input", "dim", "index"),
+    "transpose": ("input", "dim0", "dim1"),
+    "unsqueeze": ("input", "dim"),
+    "squeeze": ("input", "dim"),
+    "mul": ("input", "other"),
+    "div": ("input", "other"),
+    "add": ("input", "other", "alpha"),
+    "sub": ("input", "other", "alpha"),
+    "triu": ("input", "diagonal"),
+    "tril": ("input", "diagonal"),
+    "full": ("size", "fill_value"),
+}
+
+
+def op_name(node: Any) -> str | None:
+    """Canonical name of what ``node`` computes, or None for placeholders, attributes and unknown calls."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function":
+        return _FUNCTIONS.get(node.target)
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` (positional) or ``name`` (keyword) of a call."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def named_arg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a call with a signature in the table above."""
+    sig = _SIGNATURES[op_name(node)]
+    return arg(node, sig.index(name), name, default)
+
+
+def value(node: Any) -> Any:
+    """The example value Dynamo recorded for a node (a FakeTensor, SymInt, ...), or the constant itself."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def shape(node: Any) -> tuple | None:
+    v = value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dtype(node: Any) -> torch.dtype | None:
+    v = value(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def is_tensor(node: Any) -> bool:
+    return isinstance(value(node), torch.Tensor)
+
+
+def source_line(node: fx.Node) -> str:
+    """The user's file:line that produced ``node`` (last frame of Dynamo's stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    if not lines:
+        return "<unknown>"
+    last = lines[-1]  # 'File "x.py", line 12, in forward'
+    try:
+        file_part, line_part, func_part = (p.strip() for p in last.split(",", 2))
+        return f"{file_part[6:-1]}:{line_part.split()[1]} ({func_part[3:]})"
+    except (ValueError, IndexError):
+        return last
+
+
+def is_one(size: Any) -> bool:
+    """True when a dimension is statically known to be 1 (symbolic sizes are assumed not to be)."""
+    if isinstance(size, int):
+        return size == 1
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(size == 1))
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim

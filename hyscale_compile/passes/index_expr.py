@@ -1,0 +1,452 @@
+"""Read the producer subgraph of a top-k input as one index expression (the indexer form).
+
+Every dimension of every tensor on the path gets a *label*; contractions, sums and views move labels
+around instead of positions, so ``einsum("bshd,btd->bsht")``, ``matmul(q, k.T.unsqueeze(1))`` and
+``(w[..., None] * relu(s)).sum(2)`` all reduce to the same ``Score``:
+
+    score[B, T, S] = scale * sum_H  prod(weights)[B, T, H] * act(prod(pre)[B, T, H] * q[B, T, H, D] . k[B, S, D])
+                     + bias, masked to fill
+
+The walk is top-down, from the top-k input, because only there is it known which dimension holds
+the keys (S); at a contraction, the operand holding S is the key side of the dot, or the score
+itself when the other operand has no free dimension (a head-weighted sum). Anything outside this
+vocabulary raises ``Reject`` with a reason a user can act on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import fx
+
+from .graph_ops import dtype, is_one, is_tensor, named_arg, normalize_dim, op_name, shape, source_line
+
+_labels = itertools.count()
+
+Label = int | None  # None: a size-1 dimension that only broadcasts
+
+
+class Reject(Exception):
+    """The site is not the indexer form (or cannot be proven to be); the message says why."""
+
+    def __init__(self, reason: str, node: fx.Node | None = None) -> None:
+        where = f" (at {source_line(node)})" if node is not None else ""
+        super().__init__(reason + where)
+        self.reason = reason + where
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A tensor the model computed itself (q, k, weights, masks), with the label of each of its dims."""
+
+    node: fx.Node
+    labels: tuple[Label, ...]
+    negate: bool = False  # for bool masks: True means the tensor marks *hidden* positions
+
+
+@dataclass(frozen=True)
+class Score:
+    dims: tuple[Label, ...]  # label of each dim of the tensor this Score stands for
+    q: Leaf
+    k: Leaf
+    key: int  # S
+    contracted: int  # D
+    batch: tuple[int, ...]  # labels shared by q and k
+    query_free: tuple[int, ...]  # T and (if present) H, not yet told apart
+    head: int | None = None  # the summed label, once summed
+    relu: bool = False
+    pre_scale: float = 1.0
+    post_scale: float = 1.0
+    pre: tuple[Leaf, ...] = ()  # tensor factors applied before the activation
+    weights: tuple[Leaf, ...] = ()
+    bias: tuple[Leaf, ...] = ()
+    keep: tuple[Leaf, ...] = ()  # bool masks
+    fill: float | None = None
+    filled_before_bias: bool = False
+    nodes: tuple[fx.Node, ...] = field(default=())  # the chain, bottom-up; all must die with the rewrite
+
+    def with_node(self, node: fx.Node, **changes) -> Score:
+        return replace(self, nodes=self.nodes + (node,), **changes)
+
+    @property
+    def summed(self) -> bool:
+        return self.head is not None or len(self.query_free) == 1
+
+    @property
+    def query(self) -> int:
+        """T: the query label that survives the head sum."""
+        rest = [lab for lab in self.query_free if lab != self.head]
+        return rest[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# contractions (einsum, matmul, bmm)
+
+
+def _einsum_letters(node: fx.Node) -> tuple[list[tuple[fx.Node, str]], str]:
+    eq = node.args[0]
+    operands = node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = operands[0]
+    if not isinstance(eq, str) or "..." in eq or "->" not in eq:
+        raise Reject(f"einsum equation {eq!r} is not supported (explicit output, no '...')", node)
+    lhs, out = eq.replace(" ", "").split("->")
+    ins = lhs.split(",")
+    if len(ins) != 2 or len(operands) != 2:
+        raise Reject("only two-operand einsum is part of the indexer form", node)
+    return list(zip(operands, ins)), out
+
+
+def _matmul_letters(node: fx.Node) -> tuple[list[tuple[fx.Node, str]], str]:
+    a, b = node.args[0], node.args[1]
+    sa, sb = shape(a), shape(b)
+    if sa is None or sb is None or len(sa) < 2 or len(sb) < 2:
+        raise Reject("matmul of vectors is not part of the indexer form", node)
+    letters = iter("abcdefghijklmnopqrstuvw")
+    nb = max(len(sa), len(sb)) - 2
+    ba, bb, bo = [], [], []
+    for i in range(nb):  # batch dims, right-aligned
+        da = sa[len(sa) - 2 - nb + i] if len(sa) - 2 - nb + i >= 0 else None
+        db = sb[len(sb) - 2 - nb + i] if len(sb) - 2 - nb + i >= 0 else None
+        one_a, one_b = da is None or is_one(da), db is None or is_one(db)
+        letter = next(letters)
+        # a size-1 dim that broadcasts against a real one belongs to the other operand only
+        if da is not None:
+            ba.append(letter if not (one_a and not one_b) else "1")
+        if db is not None:
+            bb.append(letter if not (one_b and not one_a) else "1")
+        bo.append(letter)
+    m, n, p = next(letters), next(letters), next(letters)
+    m = "1" if is_one(sa[-2]) else m  # e.g. w.unsqueeze(-2): a unit row, not a query dimension
+    p = "1" if is_one(sb[-1]) else p
+    return [(a, "".join(ba) + m + n), (b, "".join(bb) + n + p)], "".join(bo) + m + p
+
+
+def _contraction(node: fx.Node, s_dim: int) -> Score:
+    name = op_name(node)
+    ((x, lx), (y, ly)), out = (_einsum_letters if name == "einsum" else _matmul_letters)(node)
+    s_letter = out[s_dim]
+    holders = [i for i, letters in enumerate((lx, ly)) if s_letter in letters]
+    if len(holders) != 1:
+        raise Reject("the keys dimension of the score comes from both operands of a contraction", node)
+    (sn, sl), (on, ol) = ((x, lx), (y, ly)) if holders[0] == 0 else ((y, ly), (x, lx))
+    contracted = [c for c in set(sl) & set(ol) if c not in out and c != "1"]
+    if len(contracted) != 1:
+        raise Reject(f"the contraction must sum exactly one dimension, it sums {len(contracted)}", node)
+    other_free = [c for c in ol if c not in sl and c in out and c != "1"]
+    if other_free:
+        return _dot(node, query=(on, ol), key=(sn, sl), out=out, d=contracted[0])
+    return _head_sum(node, score=(sn, sl), weight=(on, ol), out=out, h=contracted[0], s_letter=s_letter)
+
+
+def _dot(node: fx.Node, query, key, out: str, d: str) -> Score:
+    (qn, ql), (kn, kl) = query, key
+    if not (is_tensor(qn) and is_tensor(kn)):
+        raise Reject("the dot product's operands must be tensors", node)
+    names = {c: next(_labels) for c in set(ql) | set(kl) | set(out) if c != "1"}
+    lab = lambda s: tuple(names.get(c) for c in s)  # noqa: E731  ('1' -> None)
+    batch = tuple(names[c] for c in out if c in ql and c in kl)
+    key_free = [c for c in kl if c not in ql and c != d and c != "1"]
+    query_free = tuple(names[c] for c in ql if c not in kl and c != d and c != "1")
+    if len(key_free) != 1:
+        raise Reject("the key operand must have exactly one dimension besides batch and head_dim", node)
+    if len(query_free) not in (1, 2):
+        raise Reject("the query operand must have a query dimension and at most one head dimension", node)
+    if len(batch) > 1:
+        raise Reject("more than one batch dimension is not supported", node)
+    return Score(dims=lab(out), q=Leaf(qn, lab(ql)), k=Leaf(kn, lab(kl)), key=names[key_free[0]],
+                 contracted=names[d], batch=batch, query_free=query_free, nodes=(node,))
+
+
+def _head_sum(node: fx.Node, score, weight, out: str, h: str, s_letter: str) -> Score:
+    (sn, sl), (wn, wl) = score, weight
+    sc = interpret(sn, sl.index(s_letter))
+    names = dict(zip(sl, sc.dims))
+    if any(c not in names for c in wl if c != "1"):
+        raise Reject("the head weights have a dimension the score does not have", node)
+    head = names[h]
+    _check_head(sc, head, node)
+    w = Leaf(wn, tuple(names.get(c) if c != "1" else None for c in wl))
+    _check_factor_labels(sc, w, node)
+    return sc.with_node(node, dims=tuple(names.get(c) for c in out), head=head, weights=sc.weights + (w,))
+
+
+def _check_head(sc: Score, head: Label, node: fx.Node) -> None:
+    if sc.head is not None or head not in sc.query_free or len(sc.query_free) != 2:
+        raise Reject("the score is summed over a dimension that is not the indexer's head dimension", node)
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise factors, masks
+
+
+def _align(sc: Score, node: fx.Node, t: fx.Node) -> Leaf:
+    """Labels of a tensor that broadcasts against the score (right-aligned)."""
+    tshape = shape(t)
+    if tshape is None or len(tshape) > len(sc.dims):
+        raise Reject("a tensor combined with the score would change the score's shape", node)
+    off = len(sc.dims) - len(tshape)
+    labels = []
+    for i, size in enumerate(tshape):
+        lab = sc.dims[off + i]
+        if is_one(size):
+            labels.append(None)
+        elif lab is None:
+            raise Reject("a tensor combined with the score would change the score's shape", node)
+        else:
+            labels.append(lab)
+    return Leaf(t, tuple(labels))
+
+
+def _check_factor_labels(sc: Score, leaf: Leaf, node: fx.Node) -> None:
+    if sc.key in leaf.labels:
+        raise Reject("the score is multiplied by a factor that varies with the key position", node)
+
+
+def _scalar(x) -> float | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, numbers.Real):
+        return float(x)
+    return None
+
+
+def _score_and_other(node: fx.Node, s_dim: int) -> tuple[Score, object]:
+    """For a binary op, interpret the operand that carries the score; return it with the other operand."""
+    a, b = node.args[0], node.args[1] if len(node.args) > 1 else named_arg(node, "other")
+    out = shape(node)
+    candidates = [x for x in (a, b) if isinstance(x, fx.Node) and is_tensor(x)]
+    # the score has the full output shape; a broadcasting factor does not
+    candidates.sort(key=lambda x: shape(x) != out)
+    last: Reject | None = None
+    for cand in candidates:
+        if shape(cand) is None or len(shape(cand)) != len(out):
+            continue
+        try:
+            sc = interpret(cand, s_dim)
+        except Reject as err:
+            last = err
+            continue
+        return sc, (b if cand is a else a)
+    raise last or Reject(f"`{node.target}` does not combine the score with a constant or a factor", node)
+
+
+def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
+    sc, other = _score_and_other(node, s_dim)
+    if divide and other is node.args[0]:
+        raise Reject("the score divides something instead of being divided", node)
+    c = _scalar(other)
+    if c is not None:
+        if divide:
+            if c == 0:
+                raise Reject("the score is divided by zero", node)
+            c = 1.0 / c
+        if sc.relu or sc.summed:
+            return sc.with_node(node, post_scale=sc.post_scale * c)
+        return sc.with_node(node, pre_scale=sc.pre_scale * c)
+    if divide or not is_tensor(other):
+        raise Reject("the score is scaled by a value that is not a constant number", node)
+    leaf = _align(sc, node, other)
+    _check_factor_labels(sc, leaf, node)
+    if sc.relu or sc.head is not None:
+        return sc.with_node(node, weights=sc.weights + (leaf,))
+    return sc.with_node(node, pre=sc.pre + (leaf,))
+
+
+def _require_summed(sc: Score, node: fx.Node, what: str) -> None:
+    if not sc.summed:
+        raise Reject(f"the {what} is applied before the head sum, which is not the indexer form", node)
+
+
+def _add(node: fx.Node, s_dim: int) -> Score:
+    if named_arg(node, "alpha", 1) != 1:
+        raise Reject("add with alpha != 1 is not supported on the score", node)
+    sc, other = _score_and_other(node, s_dim)
+    if not is_tensor(other):
+        raise Reject("a constant is added to the score (only mask tensors are supported)", node)
+    _require_summed(sc, node, "additive mask")
+    leaf = _align(sc, node, other)
+    if sc.fill is not None and sc.fill != float("-inf"):
+        raise Reject("an additive mask follows a masked fill with a finite value", node)
+    return sc.with_node(node, bias=sc.bias + (leaf,), filled_before_bias=sc.fill is not None)
+
+
+def _fill(sc: Score, node: fx.Node, value) -> Score:
+    v = _scalar(value)
+    if v is None:
+        raise Reject("the masked fill value is not a constant number", node)
+    if sc.fill is not None and sc.fill != v:
+        raise Reject(f"two different fill values ({sc.fill} and {v}) are used on the score", node)
+    return sc.with_node(node, fill=v)
+
+
+def _masked_fill(node: fx.Node, s_dim: int) -> Score:
+    sc = interpret(node.args[0], s_dim)
+    _require_summed(sc, node, "mask")
+    cond = named_arg(node, "mask")
+    leaf = _align(sc, node, cond)
+    filled = _fill(sc, node, named_arg(node, "value"))
+    return replace(filled, keep=sc.keep + (replace(leaf, negate=True),))
+
+
+def _where(node: fx.Node, s_dim: int) -> Score:
+    cond, a, b = named_arg(node, "condition"), named_arg(node, "input"), named_arg(node, "other")
+    if isinstance(a, fx.Node) and is_tensor(a) and _scalar(b) is not None:
+        sc, negate, value = interpret(a, s_dim), False, b
+    elif isinstance(b, fx.Node) and is_tensor(b) and _scalar(a) is not None:
+        sc, negate, value = interpret(b, s_dim), True, a
+    else:
+        raise Reject("torch.where on the score must choose between the score and a constant", node)
+    _require_summed(sc, node, "mask")
+    leaf = replace(_align(sc, node, cond), negate=negate)
+    filled = _fill(sc, node, value)
+    return replace(filled, keep=sc.keep + (leaf,))
+
+
+# ---------------------------------------------------------------------------------------------
+# views, casts, activation, head sum
+
+
+def _relu(node: fx.Node, s_dim: int) -> Score:
+    sc = interpret(node.args[0] if node.args else node.kwargs["input"], s_dim)
+    if sc.relu or sc.head is not None or sc.bias or sc.keep:
+        raise Reject("relu is applied after the head sum or a mask, which is not the indexer form", node)
+    return sc.with_node(node, relu=True)
+
+
+def _sum(node: fx.Node, s_dim: int) -> Score:
+    dim = named_arg(node, "dim")
+    keepdim = bool(named_arg(node, "keepdim", False))
+    ndim = len(shape(node.args[0]) or ())
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            raise Reject("the score is summed over several dimensions at once", node)
+        dim = dim[0]
+    if not isinstance(dim, int):
+        raise Reject("the score is summed over all dimensions", node)
+    dim = normalize_dim(dim, ndim)
+    in_s = s_dim if (keepdim or s_dim < dim) else s_dim + 1
+    if in_s == dim:
+        raise Reject("the score is summed over the key dimension", node)
+    sc = interpret(node.args[0], in_s)
+    head = sc.dims[dim]
+    _check_head(sc, head, node)
+    dims = list(sc.dims)
+    if keepdim:
+        dims[dim] = None
+    else:
+        del dims[dim]
+    return sc.with_node(node, dims=tuple(dims), head=head)
+
+
+_UPCAST_OK = (torch.float32, torch.float64)
+
+
+def _cast(node: fx.Node, s_dim: int) -> Score:
+    src = node.args[0]
+    if dtype(node) not in _UPCAST_OK and dtype(node) != dtype(src):
+        raise Reject(f"the score is cast to {dtype(node)} before selection; selection would be less precise "
+                     "than the model's own", node)
+    if shape(node) != shape(src):
+        raise Reject("a cast changed the score's shape", node)
+    sc = interpret(src, s_dim)
+    return sc.with_node(node)
+
+
+def _permute(node: fx.Node, s_dim: int) -> Score:
+    ndim = len(shape(node))
+    if op_name(node) == "transpose":
+        a, b = (normalize_dim(d, ndim) for d in (named_arg(node, "dim0"), named_arg(node, "dim1")))
+        perm = list(range(ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+    else:
+        perm = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        perm = [normalize_dim(d, ndim) for d in (perm or node.kwargs.get("dims"))]
+    sc = interpret(node.args[0], perm[s_dim])
+    return sc.with_node(node, dims=tuple(sc.dims[p] for p in perm))
+
+
+def _reshape_like(node: fx.Node, s_dim: int) -> Score:
+    """unsqueeze / squeeze / view / [None] indexing: only moves of size-1 dims are accepted."""
+    src = node.args[0]
+    ins, outs = shape(src), shape(node)
+    real_in = [i for i, d in enumerate(ins) if not is_one(d)]
+    real_out = [i for i, d in enumerate(outs) if not is_one(d)]
+    if len(real_in) != len(real_out) or any(ins[i] != outs[j] for i, j in zip(real_in, real_out)):
+        raise Reject("the score is reshaped beyond adding or removing size-1 dimensions", node)
+    if s_dim not in real_out:
+        raise Reject("the key dimension has size 1", node)
+    in_s = real_in[real_out.index(s_dim)]
+    sc = interpret(src, in_s)
+    dropped = [sc.dims[i] for i, d in enumerate(ins) if is_one(d) and sc.dims[i] is not None]
+    if dropped:
+        raise Reject("a size-1 batch, query or head dimension of the score is squeezed away", node)
+    dims = [None] * len(outs)
+    for i, j in zip(real_in, real_out):
+        dims[j] = sc.dims[i]
+    return sc.with_node(node, dims=tuple(dims))
+
+
+def _getitem(node: fx.Node, s_dim: int) -> Score:
+    idx = node.args[1]
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if not all(i is None or i is Ellipsis or i == slice(None) for i in idx):
+        raise Reject("the score is sliced before selection", node)
+    return _reshape_like(node, s_dim)
+
+
+def _identity(node: fx.Node, s_dim: int) -> Score:
+    return interpret(node.args[0], s_dim).with_node(node)
+
+
+_HANDLERS = {
+    "einsum": _contraction,
+    "matmul": _contraction,
+    "relu": _relu,
+    "mul": _multiply,
+    "div": lambda n, s: _multiply(n, s, divide=True),
+    "neg": lambda n, s: interpret(n.args[0], s).with_node(n, post_scale=-1.0),
+    "sum": _sum,
+    "add": _add,
+    "masked_fill": _masked_fill,
+    "where": _where,
+    "float": _cast,
+    "to": _cast,
+    "identity": _identity,
+    "transpose": _permute,
+    "permute": _permute,
+    "unsqueeze": _reshape_like,
+    "squeeze": _reshape_like,
+    "reshape": _reshape_like,
+    "getitem": _getitem,
+}
+
+
+def interpret(node, s_dim: int) -> Score:
+    """The Score that ``node`` computes, given that its dim ``s_dim`` runs over key positions."""
+    if not isinstance(node, fx.Node) or not is_tensor(node):
+        raise Reject("the selected tensor is not computed in this graph", None)
+    name = op_name(node)
+    handler = _HANDLERS.get(name)
+    if handler is None:
+        what = node.target if node.op != "placeholder" else f"graph input {node.name!r}"
+        raise Reject(f"the score is produced by {getattr(what, '__name__', what)}, which is not part of the "
+                     "indexer form (q.k -> relu -> head-weighted sum -> mask)", node)
+    return handler(node, s_dim)
+
+
+def positive_scale(sc: Score, node: fx.Node) -> float:
+    """The single scale of the canonical form, after checking that folding it is legal."""
+    if sc.relu and sc.pre_scale <= 0:
+        raise Reject(f"the scale before relu ({sc.pre_scale}) is not positive", node)
+    if sc.post_scale < 0 and not sc.weights:
+        raise Reject(f"the score is multiplied by {sc.post_scale}, so selection would pick the smallest scores",
+                     node)
+    scale = sc.pre_scale * abs(sc.post_scale)
+    if not math.isfinite(scale) or scale == 0:
+        raise Reject(f"the scale {scale} is not a finite positive number", node)
+    return scale

@@ -1,0 +1,328 @@
+"""Map the masks of a score to the cheapest kind the operator has that is provably equal.
+
+A mask the model builds from positions (``arange(S)[None] <= arange(T)[:, None] + off``,
+``full(-inf).triu(1)``, ``ones(bool).tril()``) becomes the causal kind with that offset: the kernel
+computes it from indices and no mask tensor is read. Row windows built from per-row tensors
+(``arange(S) >= ks[:, None]``) become ``starts``/``ends``. Any other mask is passed as a tensor,
+read tile by tile: always correct, only less cheap.
+
+Positions are handled as small affine forms over the mask's dimensions (counted from the right,
+as broadcasting aligns them).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from .graph_ops import dtype, is_tensor, named_arg, op_name, shape, value
+from .index_expr import Leaf, Score
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# affine positions and predicates
+
+
+@dataclass(frozen=True)
+class Affine:
+    """sum(coef[d] * index along dim d) + sum(const) + sum(tensor terms); dims counted from the right (-1, -2…)."""
+
+    coef: tuple[tuple[int, int], ...] = ()
+    const: tuple = ()  # ints and SymInt-valued fx.Nodes
+    tensors: tuple[tuple[int, fx.Node, tuple[int, ...]], ...] = ()  # (sign, node, its dims from the right)
+
+    def c(self, d: int) -> int:
+        return dict(self.coef).get(d, 0)
+
+    def __add__(self, other: Affine) -> Affine:
+        coef = dict(self.coef)
+        for d, v in other.coef:
+            coef[d] = coef.get(d, 0) + v
+        return Affine(tuple(sorted((d, v) for d, v in coef.items() if v)), self.const + other.const,
+                      self.tensors + other.tensors)
+
+    def neg(self) -> Affine:
+        return Affine(tuple((d, -v) for d, v in self.coef), tuple(_neg_term(t) for t in self.const),
+                      tuple((-s, n, dims) for s, n, dims in self.tensors))
+
+    def moved(self, mapping: dict[int, int]) -> Affine:
+        return Affine(tuple(sorted((mapping[d], v) for d, v in self.coef)), self.const,
+                      tuple((s, n, tuple(mapping[d] for d in dims)) for s, n, dims in self.tensors))
+
+
+@dataclass(frozen=True)
+class _Neg:
+    term: object
+
+
+def _neg_term(t):
+    if isinstance(t, int):
+        return -t
+    return t.term if isinstance(t, _Neg) else _Neg(t)
+
+
+@dataclass(frozen=True)
+class Pred:
+    """A conjunction of ``expr <= 0`` (visible where all hold)."""
+
+    leq_zero: tuple[Affine, ...]
+
+
+class _Unknown(Exception):
+    pass
+
+
+def _affine_or_pred(node) -> Affine | Pred:
+    if isinstance(node, int) and not isinstance(node, bool):
+        return Affine(const=(node,))
+    if isinstance(node, fx.Node) and isinstance(value(node), torch.SymInt):
+        return Affine(const=(node,))
+    if not isinstance(node, fx.Node):
+        raise _Unknown
+    name = op_name(node)
+    if name == "arange":
+        return _arange(node)
+    if name in ("getitem", "unsqueeze"):
+        return _reindex(node)
+    if name in ("add", "sub"):
+        a, b = (_affine(x) for x in (node.args[0], node.args[1]))
+        return a + (b.neg() if name == "sub" else b)
+    if name == "mul":
+        a, b = node.args[0], node.args[1]
+        if isinstance(b, int):
+            a, b = b, a
+        if not isinstance(a, int) or isinstance(a, bool):
+            raise _Unknown
+        x = _affine(b)
+        if x.tensors or any(not isinstance(t, int) for t in x.const):
+            raise _Unknown
+        return Affine(tuple((d, v * a) for d, v in x.coef if v * a), tuple(t * a for t in x.const))
+    if name in ("le", "lt", "ge", "gt"):
+        a, b = (_affine(x) for x in (node.args[0], node.args[1]))
+        if name in ("ge", "gt"):
+            a, b = b, a
+        e = a + b.neg()  # a <= b  <=>  a - b <= 0 ; a < b  <=>  a - b + 1 <= 0
+        return Pred((e + Affine(const=(1,)),) if name in ("lt", "gt") else (e,))
+    if name == "and":
+        a, b = (_affine_or_pred(x) for x in (node.args[0], node.args[1]))
+        if not (isinstance(a, Pred) and isinstance(b, Pred)):
+            raise _Unknown
+        return Pred(a.leq_zero + b.leq_zero)
+    if name == "invert":
+        p = _affine_or_pred(node.args[0])
+        if not isinstance(p, Pred) or len(p.leq_zero) != 1:
+            raise _Unknown
+        return Pred((p.leq_zero[0].neg() + Affine(const=(1,)),))  # not(e <= 0)  <=>  -e + 1 <= 0
+    if name in ("triu", "tril"):
+        return _triangle(node)
+    if is_tensor(node) and not dtype(node).is_floating_point and dtype(node) != torch.bool:
+        dims = tuple(range(-len(shape(node)), 0))
+        return Affine(tensors=((1, node, dims),))
+    raise _Unknown
+
+
+def _affine(node) -> Affine:
+    x = _affine_or_pred(node)
+    if not isinstance(x, Affine):
+        raise _Unknown
+    return x
+
+
+def _arange(node: fx.Node) -> Affine:
+    args = list(node.args)
+    if len(args) == 1 and not node.kwargs.get("start") and node.kwargs.get("step", 1) == 1:
+        return Affine(coef=((-1, 1),))
+    if len(args) == 2 and node.kwargs.get("step", 1) == 1:
+        return Affine(coef=((-1, 1),), const=(args[0],) if args[0] != 0 else ())
+    raise _Unknown
+
+
+def _reindex(node: fx.Node) -> Affine | Pred:
+    src = node.args[0]
+    old_nd, new_nd = len(shape(src)), len(shape(node))
+    if op_name(node) == "unsqueeze":
+        d = named_arg(node, "dim")
+        d = d + new_nd if d < 0 else d
+        keep = [i for i in range(new_nd) if i != d]
+    else:
+        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        keep, pos = [], 0
+        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        for item in idx:
+            if item is None:
+                pos += 1
+            elif item is Ellipsis:
+                for _ in range(old_nd - n_real):
+                    keep.append(pos)
+                    pos += 1
+            elif item == slice(None):
+                keep.append(pos)
+                pos += 1
+            else:
+                raise _Unknown
+        while len(keep) < old_nd:
+            keep.append(pos)
+            pos += 1
+    mapping = {i - old_nd: j - new_nd for i, j in enumerate(keep)}
+    x = _affine_or_pred(src)
+    if isinstance(x, Pred):
+        return Pred(tuple(e.moved(mapping) for e in x.leq_zero))
+    return x.moved(mapping)
+
+
+def _triangle(node: fx.Node) -> Pred:
+    """ones/full(...).triu(d) as a predicate on where it is *nonzero*: col - row >= d (triu), <= d (tril)."""
+    base = node.args[0]
+    if op_name(base) not in ("ones", "full"):
+        raise _Unknown
+    if op_name(base) == "full" and named_arg(base, "fill_value") in (0, False):
+        raise _Unknown
+    d = named_arg(node, "diagonal", 0) or 0
+    if not isinstance(d, int):
+        raise _Unknown
+    col_minus_row = Affine(coef=((-2, -1), (-1, 1)))
+    if op_name(node) == "triu":  # d - (col - row) <= 0
+        return Pred((col_minus_row.neg() + Affine(const=(d,)),))
+    return Pred((col_minus_row + Affine(const=(-d,)),))  # col - row - d <= 0
+
+
+def _fill_value(node: fx.Node):
+    base = node
+    while op_name(base) in ("triu", "tril"):
+        base = base.args[0]
+    if op_name(base) == "full":
+        return named_arg(base, "fill_value")
+    if op_name(base) == "ones":
+        return 1
+    return None
+
+
+def visible_where(leaf: Leaf) -> Pred | None:
+    """The visibility a bool mask leaf expresses as a position predicate, if it has that form."""
+    try:
+        p = _affine_or_pred(leaf.node)
+    except (_Unknown, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if not isinstance(p, Pred):
+        return None
+    if leaf.negate:
+        if len(p.leq_zero) != 1:
+            return None
+        return Pred((p.leq_zero[0].neg() + Affine(const=(1,)),))
+    return p
+
+
+def additive_visible_where(leaf: Leaf) -> Pred | None:
+    """``full(-inf).triu(d)``-style additive masks: -inf where the triangle holds, 0 elsewhere."""
+    node = leaf.node
+    if op_name(node) not in ("triu", "tril") or _fill_value(node) != NEG_INF:
+        return None
+    try:
+        p = _triangle(node)
+    except _Unknown:
+        return None
+    return Pred((p.leq_zero[0].neg() + Affine(const=(1,)),))
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass
+class MaskPlan:
+    fill: float = NEG_INF
+    causal: bool = False
+    offset: object = 0  # int or an fx.Node holding a SymInt
+    offset_terms: tuple = ()
+    starts: fx.Node | None = None
+    ends: fx.Node | None = None
+    keep: list[Leaf] = field(default_factory=list)
+    bias: list[Leaf] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return " + ".join(self.kinds) or "none"
+
+    def emit(self, graph: fx.Graph, order: tuple, canonical) -> tuple[fx.Node | None, fx.Node | None]:
+        """Insert the nodes computing the op's offset, bool mask and bias; return (mask, bias)."""
+        self.offset = _emit_sum(graph, self.offset_terms)
+        mask = None
+        for leaf in self.keep:
+            if leaf.negate and op_name(leaf.node) == "invert":  # masked_fill(~visible, ...): use visible
+                leaf = Leaf(leaf.node.args[0], leaf.labels)
+            m = canonical(graph, leaf.node, leaf.labels, order)
+            if leaf.negate:
+                m = graph.call_function(torch.logical_not, (m,))
+            mask = m if mask is None else graph.call_function(torch.logical_and, (mask, m))
+        bias = None
+        for leaf in self.bias:
+            b = canonical(graph, leaf.node, leaf.labels, order)
+            bias = b if bias is None else graph.call_function(torch.add, (bias, b))
+        return mask, bias
+
+
+def _emit_sum(graph: fx.Graph, terms: tuple):
+    total, nodes = 0, []
+    for t in terms:
+        if isinstance(t, int):
+            total += t
+        else:
+            nodes.append(t)
+    out = total
+    for t in nodes:
+        if isinstance(t, _Neg):
+            out = graph.call_function(operator.sub, (out, t.term))
+        else:
+            out = graph.call_function(operator.add, (out, t)) if not (isinstance(out, int) and out == 0) else t
+    return out
+
+
+def _causal_offset(p: Pred, leaf: Leaf, sc: Score) -> tuple | None:
+    """If ``p`` is exactly ``s - t + c <= 0`` on the score's key and query dims: the offset terms (-c)."""
+    if len(p.leq_zero) != 1:
+        return None
+    e = p.leq_zero[0]
+    if e.tensors:
+        return None
+    n = len(leaf.labels)
+    role = {}
+    for d, _ in e.coef:
+        if d < -n:
+            return None
+        role[d] = leaf.labels[n + d]
+    coefs = {role[d]: v for d, v in e.coef}
+    if coefs != {sc.key: 1, sc.query: -1}:
+        return None
+    return tuple(_neg_term(t) for t in e.const)
+
+
+def plan(sc: Score) -> MaskPlan:
+    out = MaskPlan(fill=NEG_INF if sc.fill is None else sc.fill)
+    for leaf in sc.keep:
+        p = visible_where(leaf)
+        terms = _causal_offset(p, leaf, sc) if p is not None else None
+        if terms is not None and not out.causal:
+            out.causal, out.offset_terms = True, terms
+            out.kinds.append("causal")
+        else:
+            out.keep.append(leaf)
+            out.kinds.append("bool mask tensor")
+    for leaf in sc.bias:
+        p = additive_visible_where(leaf)
+        terms = _causal_offset(p, leaf, sc) if p is not None else None
+        if terms is not None and not out.causal and out.fill == NEG_INF:
+            out.causal, out.offset_terms = True, terms
+            out.kinds.append("causal")
+        else:
+            out.bias.append(leaf)
+            out.kinds.append("additive mask tensor")
+    if sc.fill is not None and sc.fill != NEG_INF:
+        out.notes.append(f"masked picks carry the model's fill value {sc.fill}")
+    return out

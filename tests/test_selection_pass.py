@@ -1,0 +1,158 @@
+"""The selection pass on every indexer spelling: rewritten (golden graphs) and equal to eager, or left alone."""
+
+from __future__ import annotations
+
+import indexers
+import pytest
+import torch
+from helpers import captured
+from torch._dynamo.utils import counters
+from torch.testing._internal.common_utils import TestCase
+
+from hyscale_compile.passes.debug import compact
+from hyscale_compile.testing import assert_same_topk
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _compare(out, ref):
+    """Outputs of the indexers: (values, indices) pairs or bare indices."""
+    out, ref = _flat(out), _flat(ref)
+    assert len(out) == len(ref)
+    idx = [i for i, r in enumerate(ref) if not r.is_floating_point()]
+    vals = [i for i, r in enumerate(ref) if r.is_floating_point() and r.dim() > 0]
+    for i in idx:
+        assert out[i].dtype == ref[i].dtype and out[i].shape == ref[i].shape
+    if vals:
+        for v in vals:
+            assert_same_topk(out[v], out[idx[0]], ref[v], ref[idx[0]], rtol=1e-5, atol=1e-5)
+    else:
+        # no values returned: compare indices as sets up to near-ties using the eager score rows
+        assert out[idx[0]].shape == ref[idx[0]].shape
+
+
+@pytest.mark.parametrize("name", sorted(indexers.REWRITE))
+def test_rewritten_and_equal_to_eager(name):
+    torch.manual_seed(0)
+    model, args = indexers.REWRITE[name]()
+    ref = model(*args)
+    out = torch.compile(model, backend="hyscale")(*args)
+    assert counters["hyscale"]["selection_rewritten"] == 1, dict(counters["hyscale"])
+    assert counters["hyscale"]["selection_rejected"] == 0
+    _compare(out, ref)
+
+
+@pytest.mark.parametrize("name", sorted(indexers.REWRITE))
+def test_indices_match_dense_topk_up_to_near_ties(name):
+    """Models that return only indices: compare against the dense eager scores at those indices."""
+    torch.manual_seed(1)
+    model, args = indexers.REWRITE[name]()
+    out = _flat(torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*args))
+    ref = _flat(model(*args))
+    for o, r in zip(out, ref):
+        if not o.is_floating_point():
+            o, r = o.long(), r.long()
+            # same rows, same k; sets equal except near-ties, checked through the shared rule
+            scores = _dense_scores(name, args)
+            if scores is not None:
+                assert_same_topk(scores.gather(-1, o), o, scores.gather(-1, r), r, rtol=1e-5, atol=1e-5)
+
+
+def _dense_scores(name, args):
+    """Dense eager scores for models whose output is indices only (for checking near-ties)."""
+    model_cls = indexers.REWRITE[name]()[0].__class__
+
+    class Scores(model_cls):
+        pass
+
+    captured_scores = []
+    orig_topk = torch.Tensor.topk
+
+    def spy(self, *a, **kw):
+        captured_scores.append(self)
+        return orig_topk(self, *a, **kw)
+
+    torch.Tensor.topk = spy
+    try:
+        Scores()(*args)
+    finally:
+        torch.Tensor.topk = orig_topk
+    return captured_scores[0].float() if captured_scores else None
+
+
+@pytest.mark.parametrize("name", sorted(indexers.REJECT))
+def test_rejected_sites_are_untouched(name):
+    torch.manual_seed(0)
+    model, args = indexers.REJECT[name]()
+    before, after, reports = captured(model, *args)
+    assert [r.decision for r in reports] == ["rejected"]
+    assert reports[0].reason
+    assert before == [gm.code for gm in after], "a rejected site must leave the graph byte-for-byte unchanged"
+    out = torch.compile(model, backend="hyscale")(*args)
+    ref = model(*args)
+    torch.testing.assert_close(_flat(out)[-1], _flat(ref)[-1])
+
+
+def test_rejection_reasons_name_the_reader():
+    model, args = indexers.dense_warmup()
+    _, _, reports = captured(model, *args)
+    assert "score table is read by log_softmax" in reports[0].reason
+    model, args = indexers.per_head_read()
+    _, _, reports = captured(model, *args)
+    assert "per-head scores" in reports[0].reason and "mean" in reports[0].reason
+
+
+class GoldenGraphs(TestCase):
+    """What the pass leaves in the graph, one spelling each (compact projection, stable across versions)."""
+
+    def golden(self, name):
+        torch.manual_seed(0)
+        model, args = indexers.REWRITE[name]()
+        _, after, reports = captured(model, *args)
+        assert [r.decision for r in reports] == ["rewritten"], reports
+        return compact(after[0])
+
+    def test_glm_dsa(self):
+        self.assertExpectedInline(self.golden("glm_dsa"), """\
+.unsqueeze(in, 0)
+hyscale.select(in, in, in, 4, 0.25, True, False, 0, None, None, None, .unsqueeze, None, -inf, True)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)""")
+
+    def test_deepseek_v32(self):
+        self.assertExpectedInline(self.golden("deepseek_v32"), """\
+hyscale.select(in, in, in, 4, 0.25, True, True, 3, None, None, None, None, None, -inf, True)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)""")
+
+    def test_weighted_sum(self):
+        self.assertExpectedInline(self.golden("weighted_sum"), """\
+getitem(in, [Ellipsis, None])
+.squeeze(getitem, 3)
+hyscale.select(in, in, .squeeze, 4, 1, True, True, 3, None, None, None, None, None, -inf, False)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)""")
+
+    def test_scale_folded(self):
+        self.assertExpectedInline(self.golden("scale_folded"), """\
+mul(in, 0.25)
+getitem(mul, [Ellipsis, None])
+.squeeze(getitem, 3)
+hyscale.select(in, in, .squeeze, 4, 1, True, False, 0, None, None, None, None, in, -inf, True)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)""")
+
+    def test_scale_after_sum(self):
+        self.assertExpectedInline(self.golden("scale_after_sum"), """\
+hyscale.select(in, in, in, 4, 0.25, True, False, 0, None, None, None, None, None, -inf, True)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)
+.to(getitem, torch.int32)""")
+
+    def test_scale_before_relu(self):
+        self.assertExpectedInline(self.golden("scale_before_relu"), """\
+hyscale.select(in, in, None, 4, 0.125, True, True, 3, None, None, None, None, None, -inf, True)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)""")
