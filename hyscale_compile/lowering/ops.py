@@ -34,12 +34,12 @@ def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
     _check(q.dtype in _QK_DTYPES, f"hyscale: q dtype {q.dtype} unsupported; use bfloat16, float16 or float32")
     _check(kx.dtype in _QK_DTYPES, f"hyscale: kx dtype {kx.dtype} unsupported; use bfloat16, float16 or float32")
     B, T, H, D = q.shape
-    _check(kx.shape[0] == B, f"hyscale: kx batch {kx.shape[0]} != q batch {B}")
+    _check(kx.shape[0] == B or kx.shape[0] == 1, f"hyscale: kx batch {kx.shape[0]} is neither q batch {B} nor 1")
     _check(kx.shape[2] == D, f"hyscale: kx head dim {kx.shape[2]} != q head dim {D}")
     S = kx.shape[1]
     if weights is not None:
-        _check(weights.dim() == 3 and weights.shape[0] == B and weights.shape[1] == T and weights.shape[2] == H,
-               f"hyscale: weights must be [B, T, H] = [{B}, {T}, {H}], got {tuple(weights.shape)}")
+        _check(weights.dim() == 3 and all(w == n or w == 1 for w, n in zip(weights.shape, (B, T, H))),
+               f"hyscale: weights must broadcast to [B, T, H] = [{B}, {T}, {H}], got {tuple(weights.shape)}")
         _check(weights.is_floating_point(), f"hyscale: weights must be floating point, got {weights.dtype}")
     if k is not None:
         _check(k >= 0, f"hyscale: k must be >= 0, got k={k}")
@@ -60,6 +60,16 @@ def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
         _check(bias.dim() <= 3, f"hyscale: additive mask must broadcast to [B, T, S], got {tuple(bias.shape)}")
 
 
+def _prepare(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Kernels take kx with q's batch and fp32 [B, T, H] weights; expand broadcast ones (views, no copy)."""
+    B, T, H = q.shape[0], q.shape[1], q.shape[2]
+    kx = kx.expand(B, kx.shape[1], kx.shape[2])
+    if weights is not None:
+        weights = weights.expand(B, T, H)
+        weights = weights if weights.dtype == torch.float32 else weights.float()
+    return kx, weights
+
+
 def _vis(causal, offset, offsets, starts, ends, mask, bias) -> Visibility:
     return Visibility(causal=causal, offset=offset, offsets=offsets, starts=starts, ends=ends, mask=mask, bias=bias)
 
@@ -74,6 +84,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
            mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool) -> tuple[Tensor, Tensor]:
     check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
     vis = _vis(causal, offset, offsets, starts, ends, mask, bias)
+    kx, weights = _prepare(q, kx, weights)
     impl = dispatch.kernels_for(q)
     return impl.select(q, kx, weights, k, scale, relu, vis, fill, sorted=sorted)
 
@@ -95,6 +106,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
             mask: Tensor | None, bias: Tensor | None, fill: float) -> Tensor:
     check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias)
     vis = _vis(causal, offset, offsets, starts, ends, mask, bias)
+    kx, weights = _prepare(q, kx, weights)
     return dispatch.kernels_for(q).rescore(q, kx, weights, indices, scale, relu, vis, fill)
 
 
@@ -142,10 +154,19 @@ def _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, s
 
 def _grads(ctx, grad_values: Tensor):
     q, kx, weights, indices, offsets, starts, ends, mask = ctx.saved_tensors
+    kx_full, w_full = _prepare(q, kx, weights)
     dq, dkx, dw = torch.ops.hyscale.sparse_backward(
-        grad_values, q, kx, weights, indices, ctx.scale, ctx.relu, ctx.causal, ctx.offset,
+        grad_values, q, kx_full, w_full, indices, ctx.scale, ctx.relu, ctx.causal, ctx.offset,
         offsets, starts, ends, mask)
-    return dq, dkx, (dw if weights is not None else None)
+    dkx = _sum_to(dkx, kx)
+    dw = _sum_to(dw, weights).to(weights.dtype) if weights is not None else None
+    return dq, dkx, dw
+
+
+def _sum_to(grad: Tensor, like: Tensor) -> Tensor:
+    """Reduce a gradient over the dims ``like`` broadcast (size 1 there, larger in the gradient)."""
+    dims = [i for i, (g, n) in enumerate(zip(grad.shape, like.shape)) if n == 1 and g != 1]
+    return grad.sum(dims, keepdim=True) if dims else grad
 
 
 def _select_setup(ctx, inputs, output) -> None:
