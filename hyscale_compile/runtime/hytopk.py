@@ -1,0 +1,234 @@
+"""HyTopK: exact top-k selection that never writes the score table (shared design notes, section 4).
+
+    sample     -> per row, keys of M evenly spaced positions of its range       (sample_kernel)
+    threshold  -> the ceil(target*m/ctx)-th best sample; resets the row buffer   (threshold_kernel)
+    filter     -> score tiles on chip, append composites >= threshold            (block_kernel)
+    check      -> flag rows whose buffer overflowed or may miss part of the top-k (torch, on device)
+    recovery   -> flagged rows: radix select over recomputed scores              (recover_kernel)
+    select     -> top-k of each row buffer by the unique (value, position) composite
+
+Every stage runs on the device and nothing reads a count on the host, so a call never
+synchronizes and can be captured in a CUDA graph. Results are exact: a row's buffer holds every
+entry of its range that ties or beats the threshold, plus its k lowest out-of-range positions
+(value ``fill``); a row is flagged whenever that set might not contain its top k.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import stats
+from .filter_kernels import MODE_FILTER, block_kernel, cdiv, rescore_kernel, sample_kernel, threshold_kernel
+from .reference import Visibility, order_key
+from .score_tile import BLOCK_S, BLOCK_T, NUM_STAGES, NUM_WARPS, block_d
+from .select_kernels import PASSES, recover_kernel
+
+
+@dataclass
+class Knobs:
+    """Overrides for tests and tuning; None means the default rule."""
+
+    capacity: int | None = None  # candidate slots per row (a tiny one forces overflow -> recovery)
+    target: int | None = None  # candidates aimed for per row (a tiny one forces too-few -> recovery)
+    samples: int | None = None  # sample positions per query block
+    programs: int | None = None  # programs to aim for per launch
+
+
+knobs = Knobs()
+
+
+def sizes(k: int, S: int) -> tuple[int, int, int]:
+    """(target, capacity, samples): aim for 3k + 1024 candidates, room for 1.5x that plus slack."""
+    target = knobs.target if knobs.target is not None else 3 * k + 1024
+    cap = knobs.capacity if knobs.capacity is not None else ((3 * target) // 2 + 1024 + 63) // 64 * 64
+    cap = max(1, min(cap, S))
+    m = knobs.samples if knobs.samples is not None else min(max(4096, S // 128), 8192)
+    return target, cap, max(1, min(m, S))
+
+
+def _programs(device: torch.device) -> int:
+    if knobs.programs is not None:
+        return knobs.programs
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs are scored in fp32 unless torch's own matmul setting allows tf32."""
+    if dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1":
+        return "upcast"
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _operands(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    dt = torch.promote_types(q.dtype, kx.dtype)
+    w = None if weights is None else weights.float().contiguous()
+    return q.to(dt).contiguous(), kx.to(dt).contiguous(), w
+
+
+def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Each row's key range [lo, hi) from causal and windows (int64 [B, T]); lo <= hi always."""
+    lo = torch.zeros(B, T, dtype=torch.int64, device=device)
+    hi = torch.full((B, T), S, dtype=torch.int64, device=device)
+    if vis.causal:
+        lim = torch.arange(T, device=device, dtype=torch.int64).view(1, T) + (vis.offset + 1)
+        if vis.offsets is not None:
+            lim = lim + vis.offsets.to(device=device, dtype=torch.int64).view(B, 1)
+        hi = torch.minimum(hi, lim)
+    if vis.starts is not None:
+        lo = torch.maximum(lo, vis.starts.to(device=device, dtype=torch.int64))
+    if vis.ends is not None:
+        hi = torch.minimum(hi, vis.ends.to(device=device, dtype=torch.int64))
+    lo = lo.clamp(0, S)
+    hi = torch.maximum(hi.clamp(0, S), lo)
+    return lo.contiguous(), hi.contiguous()
+
+
+def _aux(vis: Visibility, B: int, T: int, S: int, dummy: Tensor) -> tuple[Tensor, tuple, Tensor, tuple]:
+    """Mask (as uint8) and bias as broadcast [B, T, S] views: read tile by tile with their strides."""
+    if vis.mask is not None:
+        m = vis.mask.expand(B, T, S).view(torch.uint8)
+        mstr = m.stride()
+    else:
+        m, mstr = dummy, (0, 0, 0)
+    if vis.bias is not None:
+        bias = vis.bias.expand(B, T, S)
+        bstr = bias.stride()
+    else:
+        bias, bstr = dummy, (0, 0, 0)
+    return m, mstr, bias, bstr
+
+
+class _Problem:
+    """Everything the kernels share: operands, strides, flags, ranges."""
+
+    def __init__(self, q, kx, weights, scale, relu, vis: Visibility, fill):
+        self.B, self.T, self.H, self.D = q.shape
+        self.S = kx.shape[1]
+        self.q, self.kx, self.w = _operands(q, kx, weights)
+        self.device = q.device
+        dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self.lo, self.hi = ranges(vis, self.B, self.T, self.S, self.device)
+        self.mask, mstr, self.bias, bstr = _aux(vis, self.B, self.T, self.S, dummy)
+        wt = self.w if self.w is not None else dummy
+        wstr = self.w.stride() if self.w is not None else (0, 0, 0)
+        self.wt = wt
+        self.scale, self.fill = float(scale), float(fill)
+        self.strides = (*self.q.stride()[:3], self.kx.stride(0), self.kx.stride(1), *wstr, *mstr, *bstr)
+        self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=BLOCK_T, BS=BLOCK_S, RELU=bool(relu),
+                           HAS_W=self.w is not None, PREC=_precision(self.q.dtype),
+                           HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)
+        self.n_tblk = cdiv(self.T, BLOCK_T)
+
+    def launch(self, kernel, grid, *args, **extra):
+        kernel[grid](*args, *self.strides, **self.consts, **extra, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def fill_key(fill: float) -> int:
+    return int(order_key(torch.tensor([fill], dtype=torch.float32))[0])
+
+
+def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
+    """Composite -> (fp32 value, int64 position); the value's bits come back from its order key."""
+    key = comp >> 32
+    pos = 4294967295 - (comp & 4294967295)
+    bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF).to(torch.int32)
+    return bits.view(torch.float32), pos
+
+
+def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
+           vis: Visibility, fill: float, sorted: bool = True) -> tuple[Tensor, Tensor]:
+    """Exact top-k per query row, same contract as reference.select (output always sorted)."""
+    B, T = q.shape[0], q.shape[1]
+    if k == 0 or B * T == 0:
+        return (torch.empty(B, T, k, dtype=torch.float32, device=q.device),
+                torch.empty(B, T, k, dtype=torch.int64, device=q.device))
+    pb = _Problem(q, kx, weights, scale, relu, vis, fill)
+    buf, cnt, cap = candidates(pb, k)
+    comp = torch.topk(buf, k, dim=1, largest=True, sorted=True).values
+    values, indices = decode(comp)
+    del buf, cnt, cap
+    return values.view(B, T, k), indices.view(B, T, k)
+
+
+def candidates(pb: _Problem, k: int) -> tuple[Tensor, Tensor, int]:
+    """Row buffers [R, C + k] of composites that contain each row's exact top k (all stages but the last)."""
+    B, T, S = pb.B, pb.T, pb.S
+    R = B * T
+    target, cap, M = sizes(k, S)
+    width = cap + k
+    dev = pb.device
+    buf = torch.empty(R, width, dtype=torch.int64, device=dev)
+    samp = buf.view(torch.int32)  # samples live in the row's own slots until the threshold is taken
+    msamp = torch.zeros(R, dtype=torch.int32, device=dev)
+    thr = torch.empty(R, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(R, dtype=torch.int32, device=dev)
+    fk = fill_key(pb.fill)
+    sampled = S > cap
+    common = (pb.q, pb.kx, pb.wt)
+    if sampled:
+        pb.launch(sample_kernel, (pb.n_tblk, B), *common, pb.lo, pb.hi, samp, msamp, pb.mask, pb.bias,
+                  T, S, pb.H, pb.scale, pb.fill, M, 2 * width)
+    mb = max(16, 1 << max(0, (M - 1).bit_length()))
+    threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, S, k, cap, target, M, 2 * width, width, fk,
+                           SAMPLED=sampled, MB=mb, EB=1024, num_warps=8)
+    split = max(1, min(cdiv(S, BLOCK_S), cdiv(_programs(dev), pb.n_tblk * B)))
+    pb.launch(block_kernel, (pb.n_tblk, B, split), *common, pb.lo, pb.hi, thr, cnt, buf, pb.mask, pb.bias,
+              T, S, pb.H, pb.scale, pb.fill, cap, width, split, MODE=MODE_FILTER)
+    n_out = (S - (pb.hi - pb.lo)).view(R)
+    ext = torch.where(thr.long() <= fk, n_out.clamp(max=k), torch.zeros_like(n_out))
+    flag = (cnt > cap) | (cnt.long() + ext < k)
+    _recover(pb, k, flag, buf, width)
+    stats.record(dev, R, flag.sum(), cnt.clamp(max=cap).sum())
+    return buf, cnt, cap
+
+
+def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> None:
+    """Rewrite the buffers of flagged rows with their exact top k, for any number of flagged rows."""
+    R = flag.numel()
+    dev = flag.device
+    rank = torch.cumsum(flag, 0) - 1
+    nflag = flag.sum().to(torch.int32).view(1)
+    rows = torch.zeros(R + 1, dtype=torch.int64, device=dev)
+    rows.scatter_(0, torch.where(flag, rank, R), torch.arange(R, device=dev))
+    counts = torch.zeros(PASSES, R, 16, dtype=torch.int32, device=dev)
+    ecnt = torch.zeros(R, dtype=torch.int32, device=dev)
+    split = max(1, min(cdiv(pb.S, BLOCK_S), _programs(dev) // 2))
+    items = cdiv(R, BLOCK_T) * split
+    nprog = max(1, min(items, _programs(dev)))
+    per_prog = cdiv(items, nprog)
+    fk = fill_key(pb.fill)
+    for p in range(PASSES + 1):
+        pb.launch(recover_kernel, (nprog,), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, nflag, rows, counts, ecnt, buf,
+                  pb.mask, pb.bias, pb.B, pb.T, pb.S, pb.H, k, pb.scale, pb.fill, fk, width, R, p,
+                  nprog, split, per_prog, EMIT=p == PASSES)
+
+
+def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scale: float, relu: bool,
+            vis: Visibility, fill: float) -> Tensor:
+    """Values at the given positions, bit-identical to what ``select`` returns for them."""
+    B, T = q.shape[0], q.shape[1]
+    K = indices.shape[-1]
+    out = torch.empty(B, T, K, dtype=torch.float32, device=q.device)
+    if K == 0 or B * T == 0:
+        return out
+    pb = _Problem(q, kx, weights, scale, relu, vis, fill)
+    idx = indices.to(torch.int64).contiguous()
+    pb.launch(rescore_kernel, (pb.n_tblk, B, cdiv(K, BLOCK_S)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out,
+              pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
+    return out
+
+
+def peak_extra_bytes(B: int, T: int, S: int, k: int) -> int:
+    """Bytes select allocates besides its outputs (candidate buffer dominates)."""
+    _, cap, _ = sizes(k, S)
+    R = B * T
+    return R * (cap + k) * 8 + R * 4 * 4 + PASSES * R * 16 * 4 + R * 8 * 3 + math.prod((R, k)) * 8

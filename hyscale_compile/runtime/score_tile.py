@@ -1,0 +1,98 @@
+"""The one score arithmetic every HyTopK kernel uses.
+
+``score_tile`` computes a [BLOCK_T, BLOCK_S] tile of
+    sum_h w[t, h] * act(scale * dot(q[t, h, :], kx[s, :]))
+in fp32, heads in order 0..H-1, for any set of query rows and key columns (contiguous or gathered):
+callers pass row and column offsets, so sampling, filtering, recovery and rescore all run the very
+same instructions with the same tile shapes, and the score of (t, s) is bit-identical in all of them.
+
+``tile_values`` applies the visibility (range, bool mask, additive bias, fill) exactly as the
+reference does, and ``order_key`` / ``composite`` give the integer orders the selection works in.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Tile shape and warps shared by every kernel that calls score_tile (same shape => same MMA => same bits).
+BLOCK_T = 64
+BLOCK_S = 128
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+INT32_MIN = -(2**31)
+INT64_MIN = -(2**63)
+
+
+def block_d(D: int) -> int:
+    """Head-dim tile: a power of two, at least 16 (the smallest tensor-core K)."""
+    return max(16, triton.next_power_of_2(D))
+
+
+@triton.jit
+def score_tile(q_ptr, kx_ptr, w_ptr, q_rows, w_rows, k_cols, row_ok, col_ok,
+               H, stride_qh, stride_wh, scale,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+               RELU: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr):
+    """fp32 [BT, BS] scores. q_rows / w_rows / k_cols are int64 element offsets of each row / key.
+
+    PREC is "ieee" or "tf32" for fp32 operands, or "upcast": 16-bit operands widened to fp32 first
+    (only under the CPU interpreter, whose dot cannot take bf16; the products are exact either way).
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kt = tl.load(kx_ptr + k_cols[None, :] + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+    acc = tl.zeros((BT, BS), dtype=tl.float32)
+    for h in range(H):
+        qh = tl.load(q_ptr + q_rows[:, None] + h * stride_qh + offs_d[None, :],
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if PREC == "upcast":
+            s = tl.dot(qh.to(tl.float32), kt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            s = tl.dot(qh, kt, input_precision=PREC, out_dtype=tl.float32)
+        s = s * scale
+        if RELU:
+            s = tl.where(s < 0.0, 0.0, s)  # keeps NaN, like torch.relu
+        if HAS_W:
+            w = tl.load(w_ptr + w_rows + h * stride_wh, mask=row_ok, other=0.0)
+            s = s * w[:, None]
+        acc += s
+    return acc
+
+
+@triton.jit
+def tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
+                mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs,
+                HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Values as the reference defines them, and whether each entry lies in its row's [lo, hi) range.
+
+    Entries in range but False in the bool mask get ``fill`` (they still compete, like any value);
+    entries out of range are handled by the callers (they are masked positions with value ``fill``).
+    """
+    in_range = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & row_ok[:, None] & col_ok[None, :]
+    v = acc
+    visible = in_range
+    if HAS_BIAS:
+        boff = rows_b[:, None] * sbb + rows_t[:, None] * sbt + cols[None, :] * sbs
+        v = v + tl.load(bias_ptr + boff, mask=in_range, other=0.0).to(tl.float32)
+    if HAS_MASK:
+        moff = rows_b[:, None] * smb + rows_t[:, None] * smt + cols[None, :] * sms
+        visible = visible & (tl.load(mask_ptr + moff, mask=in_range, other=0) != 0)
+    return tl.where(visible, v, fill), in_range
+
+
+@triton.jit
+def order_key(v):
+    """int32 key ordered like torch.topk orders fp32 (NaN highest, -0.0 == +0.0); see reference.order_key."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = tl.where(v == 0.0, 0, bits)
+    bits = tl.where(v != v, 0x7FC00000, bits)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def composite(key, pos):
+    """int64 unique per entry, ordered by (value desc, position asc) when sorted descending."""
+    low = (4294967296 - pos.to(tl.int64)) - 1  # 2**32 - 1 - pos, kept in int64
+    return (key.to(tl.int64) << 32) | low

@@ -1,0 +1,61 @@
+"""HyTopK runtime statistics, kept as device tensors so the hot path never waits for the host.
+
+``record`` adds to per-device counters with in-place tensor ops (CUDA-graph safe once allocated);
+``read`` copies them to the host on demand (that one call synchronizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FALLBACK_ROWS = 64  # past this many flagged rows in one call, a call counts as a fallback
+
+_counters: dict[torch.device, Tensor] = {}
+# slots: calls, rows, rows flagged (recovered), fallback calls, candidates kept (sum over rows)
+_CALLS, _ROWS, _RECOVERED, _FALLBACKS, _CANDIDATES = range(5)
+
+
+@dataclass(frozen=True)
+class Stats:
+    calls: int
+    rows: int
+    rows_recovered: int
+    fallbacks: int
+    mean_candidates: float
+
+
+def _get(device: torch.device) -> Tensor:
+    if device not in _counters:
+        _counters[device] = torch.zeros(5, dtype=torch.int64, device=device)
+    return _counters[device]
+
+
+def record(device: torch.device, rows: int, nflag: Tensor, candidates: Tensor) -> None:
+    """Accumulate one select call: nflag and candidates are device scalars (no sync)."""
+    c = _get(device)
+    c[_CALLS] += 1
+    c[_ROWS] += rows
+    c[_RECOVERED] += nflag.reshape(()).to(torch.int64)
+    c[_FALLBACKS] += (nflag.reshape(()) > FALLBACK_ROWS).to(torch.int64)
+    c[_CANDIDATES] += candidates.reshape(()).to(torch.int64)
+
+
+def read(device: torch.device | str | None = None) -> Stats:
+    """Totals since the last reset, for one device (default: summed over every device seen)."""
+    devs = list(_counters) if device is None else [torch.device(device)]
+    tot = [0] * 5
+    for d in devs:
+        if d in _counters:
+            for i, v in enumerate(_counters[d].tolist()):
+                tot[i] += v
+    rows = tot[_ROWS]
+    return Stats(calls=tot[_CALLS], rows=rows, rows_recovered=tot[_RECOVERED], fallbacks=tot[_FALLBACKS],
+                 mean_candidates=tot[_CANDIDATES] / rows if rows else 0.0)
+
+
+def reset() -> None:
+    for c in _counters.values():
+        c.zero_()
