@@ -1,9 +1,221 @@
-"""Selection replay (joint-graph pass). Placeholder until the training issue lands."""
+"""Selection replay: a joint-graph pass so that recomputation never reruns the selection.
+
+Under activation recomputation (torch.utils.checkpoint, selective checkpointing policies) the
+min-cut partitioner recomputes tagged forward nodes in the backward, ``hyscale.select`` included:
+a second full scoring and top-k over all keys. This pass, run on the joint forward+backward graph
+before partitioning, changes that for every ``hyscale.select``:
+
+* the select node and its outputs are tagged ``MUST_SAVE``: the partitioner keeps the indices
+  (and never reruns the op); ``ac_graph_id`` is left as it was;
+* every value the backward needs of ``values`` is recomputed from ``hyscale.rescore`` on the saved
+  indices: backward users of ``values`` read a new rescore node instead, and recompute-tagged
+  forward nodes between ``values`` and the backward are cloned onto the rescore. Rescore and the
+  clones are tagged for recomputation, so they run in the backward, k scores per query.
+
+Without any recomputation in the graph only the tags change (values are [B, T, k], cheap to keep),
+so graphs without checkpointing are never turned into checkpointed ones.
+
+Registered as Inductor's ``joint_custom_pre_pass`` by ``inductor_config_patches``; an existing pass
+there is chained, not replaced (torch 2.11/2.12 take one pass, not a list).
+"""
 
 from __future__ import annotations
 
+import operator
+from pathlib import Path
 from typing import Any
+
+import torch
+import torch._inductor.config  # noqa: F401  (read in inductor_config_patches)
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.utils.checkpoint import CheckpointPolicy
+
+_RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+_SOURCES = (Path(__file__), Path(__file__).parent.parent / "lowering" / "ops.py")
+
+
+def _must_recompute(node: fx.Node) -> bool:
+    return node.meta.get("recompute") in _RECOMPUTE
+
+
+def _is_select(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.hyscale.select.default
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on a tangent (the partitioner's definition of backward), plus tagged ones."""
+    bw: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if "tangents" in str(node.target):
+                bw.add(node)
+        elif node.op != "output" and (node.meta.get("partitioner_tag") == "is_backward"
+                                      or any(a in bw for a in node.all_input_nodes)):
+            bw.add(node)
+    return bw
+
+
+def _outputs(select: fx.Node, which: int) -> list[fx.Node]:
+    return [u for u in select.users if u.target is operator.getitem and u.args[1] == which]
+
+
+def _bound_args(node: fx.Node) -> dict[str, Any]:
+    schema = node.target._schema
+    named = {a.name: v for a, v in zip(schema.arguments, node.args)}
+    named.update(node.kwargs)
+    return named
+
+
+def _fake_value(target, args: tuple) -> Any:
+    """meta["val"] of a new node, from the op's fake rule under the graph's fake mode."""
+    from torch._guards import detect_fake_mode
+
+    fake_args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    mode = detect_fake_mode(fake_args)
+    if mode is None:
+        return None
+    with mode:
+        return target(*fake_args)
+
+
+class _Replayer:
+    """Rewires the backward's reads of one select's values onto a rescore of its saved indices."""
+
+    def __init__(self, graph: fx.Graph, select: fx.Node, bw: set[fx.Node]):
+        self.graph, self.select, self.bw = graph, select, bw
+        self.values = set(_outputs(select, 0))
+        self.memo: dict[fx.Node, fx.Node] = {}
+        self.rescores = 0
+
+    def chain(self) -> set[fx.Node]:
+        """values and the recompute-tagged forward nodes that read them, transitively."""
+        reach = set(self.values)
+        for node in self.graph.nodes:
+            if node not in self.bw and _must_recompute(node) and any(a in reach for a in node.all_input_nodes):
+                reach.add(node)
+        return reach
+
+    def indices(self) -> fx.Node:
+        found = _outputs(self.select, 1)
+        if found:
+            return found[0]
+        with self.graph.inserting_after(self.select):
+            idx = self.graph.call_function(operator.getitem, (self.select, 1))
+        idx.meta.update(val=self.select.meta["val"][1], recompute=CheckpointPolicy.MUST_SAVE)
+        if "ac_graph_id" in self.select.meta:
+            idx.meta["ac_graph_id"] = self.select.meta["ac_graph_id"]
+        return idx
+
+    def rescore(self) -> fx.Node:
+        a = _bound_args(self.select)
+        target = torch.ops.hyscale.rescore.default
+        args = tuple(self.indices() if arg.name == "indices" else a[arg.name] for arg in target._schema.arguments)
+        node = self.graph.call_function(target, args)
+        node.meta["val"] = _fake_value(target, args)
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        for key in ("ac_graph_id", "stack_trace", "nn_module_stack"):
+            if key in self.select.meta:
+                node.meta[key] = self.select.meta[key]
+        self.rescores += 1
+        return node
+
+    def replay(self, node: fx.Node, chain: set[fx.Node]) -> fx.Node:
+        """The backward's copy of ``node``, built before the current insertion point."""
+        if node in self.memo:
+            return self.memo[node]
+        if node in self.values:
+            new = self.rescore()
+        else:
+            remap = lambda x: self.replay(x, chain) if isinstance(x, fx.Node) and x in chain else x
+            args = torch.fx.node.map_aggregate(node.args, remap)
+            kwargs = torch.fx.node.map_aggregate(node.kwargs, remap)
+            new = self.graph.call_function(node.target, args, kwargs)
+            new.meta.update(node.meta)
+        self.memo[node] = new
+        return new
+
+    def run(self) -> int:
+        chain = self.chain()
+        for user in [n for n in self.graph.nodes if n in self.bw]:
+            for arg in [a for a in user.all_input_nodes if a in chain]:
+                with self.graph.inserting_before(user):
+                    user.replace_input_with(arg, self.replay(arg, chain))
+        return self.rescores
+
+
+def _save_selection(select: fx.Node) -> None:
+    for node in [select, *_outputs(select, 0), *_outputs(select, 1)]:
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def apply(graph: fx.Graph) -> int:
+    """Run selection replay on a joint graph; returns the number of select sites handled."""
+    selects = [n for n in graph.nodes if _is_select(n)]
+    if not selects:
+        return 0
+    from torch._dynamo.utils import counters
+
+    bw = _backward_nodes(graph)
+    recomputing = any(_must_recompute(n) for n in graph.nodes)
+    handled = 0
+    for select in selects:
+        if select in bw:  # a select inside the backward (double backward): not ours to move
+            continue
+        _save_selection(select)
+        if recomputing:
+            counters["hyscale"]["replay_rescore_nodes"] += _Replayer(graph, select, bw).run()
+        counters["hyscale"]["replay_applied"] += 1
+        handled += 1
+    graph.lint()
+    return handled
+
+
+class ReplayPass(CustomGraphPass):
+    """Inductor joint-graph pass object; ``uuid`` changes whenever our sources do (FX graph cache key)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        apply(graph)
+
+    def uuid(self) -> Any:
+        return get_hash_for_files(tuple(str(p) for p in _SOURCES))
+
+
+class ChainedPass(CustomGraphPass):
+    """Several joint passes as one (torch 2.11/2.12 accept a single pass)."""
+
+    def __init__(self, passes: list[Any]):
+        self.passes = passes
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Any:
+        ids = []
+        for p in self.passes:
+            u = p.uuid() if hasattr(p, "uuid") else None
+            if u is None:
+                return None  # an uncacheable member makes the whole chain uncacheable
+            ids.append(u)
+        return tuple(ids)
+
+
+def _flatten(p: Any) -> list[Any]:
+    if p is None:
+        return []
+    if isinstance(p, (list, tuple)):
+        return [x for item in p for x in _flatten(item)]
+    if isinstance(p, ChainedPass):
+        return [x for item in p.passes for x in _flatten(item)]
+    return [p]
 
 
 def inductor_config_patches(current: dict[str, Any]) -> dict[str, Any]:
-    return {}
+    """Inductor config patches that install the replay pass, chained after any pass already set."""
+    key = "joint_custom_pre_pass"
+    existing = current[key] if key in current else getattr(torch._inductor.config, key, None)
+    passes = [p for p in _flatten(existing) if not isinstance(p, ReplayPass)]
+    if not passes:
+        return {key: ReplayPass()}
+    return {key: ChainedPass([*passes, ReplayPass()])}
