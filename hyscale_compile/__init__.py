@@ -4,6 +4,7 @@ without writing the score table.
     model = torch.compile(model, backend="hyscale")
 """
 
+from .explain import ExplainReport, explain
 from .lowering.api import indexer_topk
 
-__all__ = ["indexer_topk"]
+__all__ = ["ExplainReport", "explain", "indexer_topk"]
