@@ -178,6 +178,17 @@ def test_triton_mixed_dtypes_and_unit_k():
         _close(a, b, 1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_16bit_operands(dtype):
+    q, kx, w, gv = _problem(dtype=dtype, device=DEVICE)
+    _, idx = reference.select(q, kx, w, gv.shape[-1], 0.5, True, Visibility(), float("-inf"))
+    want = reference.sparse_backward(gv, q, kx, w, idx, 0.5, True, Visibility())
+    got = _triton(gv, q, kx, w, idx, 0.5, True, Visibility(), True)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: realistic shapes, bf16
 

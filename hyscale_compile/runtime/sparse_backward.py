@@ -16,6 +16,8 @@ in that fixed order. Masked picks (not visible) get a zero upstream gradient, so
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,7 @@ _CONTRIB_BYTES = 1 << 30
 def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, contrib_ptr,
                 t0, R, T, H, S, K, D, scale,
                 HAS_W: tl.constexpr, RELU: tl.constexpr, ATOMIC: tl.constexpr, LOW_PREC: tl.constexpr,
+                PREC: tl.constexpr,
                 BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     # One program per query row of the chunk: pid = b * R + r, the row is t = t0 + r.
     pid = tl.program_id(0)
@@ -63,11 +66,12 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
         gv = tl.load(g_ptr + row * K + k0 + js, mask=jmask, other=0.0)
         kd_mask = jmask[:, None] & dmask[None, :]
         kg = tl.load(kx_b + ids[:, None] * D + ds[None, :], mask=kd_mask, other=0.0)
-        # The gate's dot uses the forward's arithmetic: inputs as stored, fp32 accumulation.
-        if LOW_PREC:
-            pre = tl.dot(qt, tl.trans(kg)) * scale
+        # The gate's dot follows the forward's rule (score_tile): inputs as stored, fp32 accumulation,
+        # the same precision setting; only the tile shape differs.
+        if PREC == "upcast":
+            pre = tl.dot(qt.to(tl.float32), tl.trans(kg).to(tl.float32), input_precision="ieee") * scale
         else:
-            pre = tl.dot(qt, tl.trans(kg), input_precision="ieee") * scale
+            pre = tl.dot(qt, tl.trans(kg), input_precision=PREC, out_dtype=tl.float32) * scale
         if RELU:
             act = tl.maximum(pre, 0.0)
         else:
@@ -76,13 +80,17 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
         gp = gv[None, :] * wv[:, None] * scale
         if RELU:
             gp = tl.where(pre > 0.0, gp, 0.0)
-        if LOW_PREC:
+        if PREC == "upcast":
+            dq_acc += tl.dot(gp, kg.to(tl.float32), input_precision="ieee")
+            contrib = tl.dot(tl.trans(gp), qt.to(tl.float32), input_precision="ieee")
+        elif LOW_PREC:
+            # 16-bit operands: gradients of the scores in the operand dtype, as flash-attention does.
             gp_lo = gp.to(kg.dtype)
             dq_acc += tl.dot(gp_lo, kg)
             contrib = tl.dot(tl.trans(gp_lo), qt)
         else:
-            dq_acc += tl.dot(gp, kg, input_precision="ieee")
-            contrib = tl.dot(tl.trans(gp), qt, input_precision="ieee")
+            dq_acc += tl.dot(gp, kg, input_precision=PREC)
+            contrib = tl.dot(tl.trans(gp), qt, input_precision=PREC)
         if ATOMIC:
             tl.atomic_add(dkx_ptr + b * S * D + ids[:, None] * D + ds[None, :], contrib, mask=kd_mask)
         else:
@@ -109,6 +117,13 @@ def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, D, BD: tl.constexpr
         acc += tl.load(contrib_ptr + src * D + ds, mask=dmask, other=0.0)
         i += 1
     tl.store(dkx_ptr + p * D + ds, acc, mask=dmask)
+
+
+def _precision(low: bool) -> str:
+    """The forward's precision rule (hytopk): the interpreter upcasts 16-bit; fp32 uses tf32 only if torch does."""
+    if low:
+        return "upcast" if os.environ.get("TRITON_INTERPRET") == "1" else "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -164,6 +179,7 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         contrib = dkx if use_atomics else torch.empty(B * R * K * D, dtype=torch.float32, device=q.device)
         _row_kernel[(B * R,)](g, qc, kxc, wc, idx, dq, dw, dkx, contrib, t0, R, T, H, S, K, D, float(scale),
                               HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
+                              PREC=_precision(low),
                               BH=BH, BK=BK, BD=BD, num_warps=8 if BH * BD > 4096 else 4)
         if not use_atomics:
             keys = (idx[:, t0:t0 + R] + torch.arange(B, device=q.device).view(B, 1, 1) * S).reshape(-1)
