@@ -72,7 +72,7 @@ _METHODS: dict[str, str] = {
     "matmul": "matmul", "bmm": "matmul", "relu": "relu", "mul": "mul", "div": "div", "add": "add",
     "sub": "sub", "neg": "neg", "sum": "sum", "masked_fill": "masked_fill", "topk": "topk", "sort": "sort",
     "gather": "gather", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
-    "squeeze": "squeeze", "view": "reshape", "reshape": "reshape", "float": "float", "to": "to",
+    "squeeze": "squeeze", "expand": "expand", "view": "reshape", "reshape": "reshape", "float": "float", "to": "to",
     "type": "to", "contiguous": "identity", "clone": "identity", "logical_not": "invert",
     "bitwise_not": "invert", "logical_and": "and", "bitwise_and": "and", "logical_or": "or", "le": "le",
     "lt": "lt", "ge": "ge", "gt": "gt", "triu": "triu", "tril": "tril", "__and__": "and", "__invert__": "invert",

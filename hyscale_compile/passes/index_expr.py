@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from .graph_ops import dtype, is_one, is_tensor, named_arg, normalize_dim, op_name, shape, source_line
+from .graph_ops import dtype, is_one, is_tensor, named_arg, normalize_dim, op_name, shape, source_line, value
 
 _labels = itertools.count()
 
@@ -248,6 +248,13 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
         if sc.relu or sc.summed:
             return sc.with_node(node, post_scale=sc.post_scale * c)
         return sc.with_node(node, pre_scale=sc.pre_scale * c)
+    if isinstance(other, fx.Node) and isinstance(value(other), (torch.SymFloat, torch.SymInt)) and not divide:
+        # a symbolic number (e.g. a float attribute under dynamic=True): its sign is unknown, so it is
+        # folded into q before the activation or into the weights after it, never into the scale
+        leaf = Leaf(other, ())
+        if sc.relu or sc.head is not None:
+            return sc.with_node(node, weights=sc.weights + (leaf,))
+        return sc.with_node(node, pre=sc.pre + (leaf,))
     if divide or not is_tensor(other):
         raise Reject("the score is scaled by a value that is not a constant number", node)
     leaf = _align(sc, node, other)
@@ -443,6 +450,8 @@ def positive_scale(sc: Score, node: fx.Node) -> float:
     """The single scale of the canonical form, after checking that folding it is legal."""
     if sc.relu and sc.pre_scale <= 0:
         raise Reject(f"the scale before relu ({sc.pre_scale}) is not positive", node)
+    if not any(w.labels or is_tensor(w.node) for w in sc.weights) and sc.weights:
+        raise Reject("the score is scaled by a symbolic number and has no head weights to fold it into", node)
     if sc.post_scale < 0 and not sc.weights:
         raise Reject(f"the score is multiplied by {sc.post_scale}, so selection would pick the smallest scores",
                      node)

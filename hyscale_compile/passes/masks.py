@@ -50,7 +50,10 @@ class Affine:
         return Affine(tuple((d, -v) for d, v in self.coef), tuple(_neg_term(t) for t in self.const),
                       tuple((-s, n, dims) for s, n, dims in self.tensors))
 
-    def moved(self, mapping: dict[int, int]) -> Affine:
+    def moved(self, mapping: dict[int, int | None]) -> Affine:
+        if any(mapping[d] is None for d, _ in self.coef) or any(
+                mapping[d] is None for _, _, dims in self.tensors for d in dims):
+            raise _Unknown  # the value varies along a dim an integer index removed
         return Affine(tuple(sorted((mapping[d], v) for d, v in self.coef)), self.const,
                       tuple((s, n, tuple(mapping[d] for d in dims)) for s, n, dims in self.tensors))
 
@@ -89,6 +92,8 @@ def _affine_or_pred(node) -> Affine | Pred:
         return _arange(node)
     if name in ("getitem", "unsqueeze"):
         return _reindex(node)
+    if name == "expand":  # broadcasting to a larger shape keeps every position's value
+        return _affine_or_pred(node.args[0])
     if name in ("add", "sub"):
         a, b = (_affine(x) for x in (node.args[0], node.args[1]))
         return a + (b.neg() if name == "sub" else b)
@@ -163,12 +168,14 @@ def _reindex(node: fx.Node) -> Affine | Pred:
             elif item == slice(None):
                 keep.append(pos)
                 pos += 1
+            elif isinstance(item, int) and not isinstance(item, bool):
+                keep.append(None)  # an integer index drops the dim: fine if the value does not vary along it
             else:
                 raise _Unknown
         while len(keep) < old_nd:
             keep.append(pos)
             pos += 1
-    mapping = {i - old_nd: j - new_nd for i, j in enumerate(keep)}
+    mapping = {i - old_nd: (None if j is None else j - new_nd) for i, j in enumerate(keep)}
     x = _affine_or_pred(src)
     if isinstance(x, Pred):
         return Pred(tuple(e.moved(mapping) for e in x.leq_zero))

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from . import debug, masks
-from .graph_ops import arg, dtype, named_arg, normalize_dim, op_name, shape, source_line
+from .graph_ops import arg, dtype, is_tensor, named_arg, normalize_dim, op_name, shape, source_line
 from .index_expr import Leaf, Reject, Score, interpret, positive_scale
 from .report import SiteReport, record, symbolic_bytes
 
@@ -213,11 +213,14 @@ def _canonical(graph: fx.Graph, node: fx.Node, labels: tuple, order: tuple) -> f
     return node
 
 
-def _product(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node | None:
-    out = None
-    for n in nodes:
-        out = n if out is None else graph.call_function(torch.mul, (out, n))
-    return out
+def _factors(graph: fx.Graph, leaves: tuple[Leaf, ...], order: tuple) -> tuple[fx.Node | None, list]:
+    """The product of tensor factors in canonical layout, and the symbolic numbers, kept apart."""
+    tensors = [_canonical(graph, *_peel(f), order) for f in leaves if f.labels or is_tensor(f.node)]
+    numbers = [f.node for f in leaves if not (f.labels or is_tensor(f.node))]
+    product = None
+    for t in tensors:
+        product = t if product is None else graph.call_function(torch.mul, (product, t))
+    return product, numbers
 
 
 def _rewrite_or_restore(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) -> None:
@@ -246,10 +249,16 @@ def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) ->
         if dtype(qn) != dtype(kn):  # one side genuinely fp32: score both in fp32
             q = graph.call_method("float", (q,)) if dtype(qn) != torch.float32 else q
             k = graph.call_method("float", (k,)) if dtype(kn) != torch.float32 else k
-        pre = _product(graph, [_canonical(graph, *_peel(f), (batch, T, H)) for f in sc.pre])
+        pre, pre_numbers = _factors(graph, sc.pre, (batch, T, H))
+        if sc.pre:  # fold into q in fp32: a product of bf16 q and a factor is not bf16-exact
+            q = graph.call_method("float", (q,))
         if pre is not None:
             q = graph.call_function(torch.mul, (q, graph.call_method("unsqueeze", (pre, -1))))
-        w = _product(graph, [_canonical(graph, *_peel(f), (batch, T, H)) for f in sc.weights])
+        for c in pre_numbers:
+            q = graph.call_function(operator.mul, (q, c))
+        w, w_numbers = _factors(graph, sc.weights, (batch, T, H))
+        for c in w_numbers:
+            w = graph.call_function(operator.mul, (w, c))
         if sc.post_scale < 0:
             w = graph.call_function(torch.neg, (w,))
         if w is not None and any(dtype(f.node) != torch.float32 for f in sc.weights):
