@@ -12,12 +12,19 @@ all-gathers them and runs selection with its global ``query_offset = r*T``:
 (indices identical, values bitwise) because the score of (t, s) does not depend on which other
 keys are scored with it (the operator contract's "one arithmetic").
 
-Overlap (``overlap=True``): the gather is issued asynchronously; while it is in flight the rank
-selects over its *own* keys (the diagonal block, causal with offset 0), then, once the gather
-lands, over the keys of lower ranks (all visible), and merges the two exact top-k lists by
-(value desc, position asc). The top k of a union is inside the union of the parts' top k under
-the same total order, so the merge is exact. Whether it pays depends on how long the gather is
-next to the diagonal block's selection; ``benchmarks/context_parallel.py`` measures it.
+Overlap, two ways:
+
+* ``start_key_gather(kx_local)`` right after the keys are computed, other work (the query and
+  weight projections), then ``cp_indexer_topk(..., keys=handle)``: the gather hides behind work
+  the model does anyway, at no extra cost. This is the recommended one.
+* ``overlap=True``: while the gather is in flight the rank selects over its *own* keys (the
+  diagonal block, causal with offset 0); once it lands, over the keys of lower ranks (all
+  visible); then it merges the two exact top-k lists by (value desc, position asc). The top k of
+  a union is inside the union of the parts' top k under the same total order, so the merge is
+  exact. It costs a second selection launch and a merge of 2k candidates per row, and the gather
+  it hides is small (S x D), so it loses on CPU (measured: gather < 1 ms next to ~1 s of
+  selection) and is expected to gain at most the gather time on GPUs; off by default.
+  ``benchmarks/context_parallel.py`` measures both sides.
 
 Gradients: when ``kx_local`` requires grad, the gathered keys carry a backward that
 reduce-scatters their gradient back to the ranks that own them.
@@ -32,7 +39,8 @@ from torch import Tensor
 from .lowering.api import indexer_topk
 from .runtime.reference import order_key
 
-__all__ = ["cp_indexer_topk", "gather_keys", "global_positions", "merge_topk", "query_offset"]
+__all__ = ["KeyGather", "cp_indexer_topk", "gather_keys", "global_positions", "merge_topk", "query_offset",
+           "start_key_gather"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,11 +76,12 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _Pending:
-    """An in-flight key gather: the output buffer and the work handle to wait on."""
+class KeyGather:
+    """An in-flight key gather (from ``start_key_gather``): the output buffer and the work to wait on."""
 
-    def __init__(self, buf: Tensor, work: dist.Work | None, B: int) -> None:
-        self.buf, self.work, self.B = buf, work, B
+    def __init__(self, kx_local: Tensor, buf: Tensor, work: dist.Work | None,
+                 group: dist.ProcessGroup | None) -> None:
+        self.kx_local, self.buf, self.work, self.group = kx_local, buf, work, group
 
     def wait(self) -> Tensor:
         """Block until the gather lands; returns the keys of all ranks as [B, world*S_local, D]."""
@@ -83,14 +92,14 @@ class _Pending:
         return self.buf.transpose(0, 1)
 
 
-def _start_gather(kx_local: Tensor, group: dist.ProcessGroup | None, async_op: bool) -> _Pending:
+def _start_gather(kx_local: Tensor, group: dist.ProcessGroup | None, async_op: bool) -> KeyGather:
     _, world = _rank_world(group)
     B, S_local, D = kx_local.shape
     # Gather along the sequence: put it first so the ranks' chunks concatenate on dim 0.
     send = kx_local.detach().transpose(0, 1).contiguous()
     buf = send.new_empty((world * S_local, B, D))
     work = _all_gather(buf, send, group=group, async_op=async_op)
-    return _Pending(buf, work if async_op else None, B)
+    return KeyGather(kx_local, buf, work if async_op else None, group)
 
 
 class _AttachKeyGrad(torch.autograd.Function):
@@ -120,6 +129,14 @@ def _with_grad(kx_local: Tensor, gathered: Tensor, group) -> Tensor:
 def gather_keys(kx_local: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     """All ranks' keys [B, world*S_local, D] in global order (differentiable: backward reduce-scatters)."""
     return _with_grad(kx_local, _start_gather(kx_local, group, async_op=False).wait(), group)
+
+
+def start_key_gather(kx_local: Tensor, group: dist.ProcessGroup | None = None) -> KeyGather:
+    """Issue the key all-gather now (async); pass the handle as ``cp_indexer_topk(..., keys=handle)``.
+
+    Every rank of ``group`` must call it. Do other work in between to hide the gather.
+    """
+    return _start_gather(kx_local, group, async_op=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +183,8 @@ def _can_overlap(rank: int, T: int, S_local: int, k: int) -> bool:
 
 def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.ProcessGroup | None = None, *,
                     weights: Tensor | None = None, scale: float = 1.0, relu: bool = True,
-                    overlap: bool = True, sorted: bool = True) -> tuple[Tensor, Tensor]:
+                    keys: KeyGather | None = None, overlap: bool = False,
+                    sorted: bool = True) -> tuple[Tensor, Tensor]:
     """Causal indexer top-k for this rank's query chunk under context parallelism.
 
     q_local [B, T, H, D] at global positions [rank*T, (rank+1)*T); kx_local [B, S_local, D] this
@@ -174,6 +192,8 @@ def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.Proce
     Every rank of ``group`` must call it (it runs a collective). Returns (values fp32 [B, T, k],
     global indices int64 [B, T, k]), equal to rows [rank*T, (rank+1)*T) of the single-process
     ``indexer_topk(q, kx, k, query_offset=0, ...)``.
+    keys: a gather already issued with ``start_key_gather(kx_local)`` (else one is issued here).
+    overlap: select over the own keys while the gather is in flight, then merge (see the module notes).
     ``sorted=False`` is honoured only on the non-overlapped path (the merge always sorts).
     """
     rank, world = _rank_world(group)
@@ -182,7 +202,9 @@ def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.Proce
     torch._check(k <= S, lambda: f"cp_indexer_topk: k={k} is larger than the number of keys S={S}")
     offset = rank * T
     kw = dict(weights=weights, scale=scale, relu=relu)
-    pending = _start_gather(kx_local, group, async_op=True)
+    if keys is not None and keys.kx_local is not kx_local:
+        raise ValueError("cp_indexer_topk: keys= must come from start_key_gather(kx_local) of this kx_local")
+    pending = keys if keys is not None else start_key_gather(kx_local, group)
     needs_grad = torch.is_grad_enabled() and kx_local.requires_grad
     if overlap and rank == 0 and k <= S_local and T == S_local and not needs_grad:
         # Rank 0 sees only its own keys: select now, wait only to complete the collective.
@@ -191,8 +213,8 @@ def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.Proce
         pending.wait()
         return out
     if not (overlap and _can_overlap(rank, T, S_local, k)):
-        keys = _with_grad(kx_local, pending.wait(), group)[:, :_visible_len(rank, T, S, k)]
-        return indexer_topk(q_local, keys, k, query_offset=offset, sorted=sorted, **kw)
+        visible = _with_grad(kx_local, pending.wait(), group)[:, :_visible_len(rank, T, S, k)]
+        return indexer_topk(q_local, visible, k, query_offset=offset, sorted=sorted, **kw)
     # While the gather is in flight: the diagonal block (own keys, causal, same local offset 0).
     v_own, i_own = indexer_topk(q_local, kx_local, k, query_offset=0, **kw)
     before = _with_grad(kx_local, pending.wait(), group)[:, :rank * S_local]
