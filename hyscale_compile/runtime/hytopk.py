@@ -68,10 +68,16 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def _unit_last(x: Tensor) -> Tensor:
+    """Kernels take any strides but a unit last one (broadcast views stay views)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
 def _operands(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights."""
     dt = torch.promote_types(q.dtype, kx.dtype)
-    w = None if weights is None else weights.float().contiguous()
-    return q.to(dt).contiguous(), kx.to(dt).contiguous(), w
+    w = None if weights is None else weights.float()
+    return _unit_last(q.to(dt)), _unit_last(kx.to(dt)), w
 
 
 def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -122,7 +128,7 @@ class _Problem:
         wstr = self.w.stride() if self.w is not None else (0, 0, 0)
         self.wt = wt
         self.scale, self.fill = float(scale), float(fill)
-        self.strides = (*self.q.stride()[:3], self.kx.stride(0), self.kx.stride(1), *wstr, *mstr, *bstr)
+        self.strides = (*self.q.stride()[:3], *self.kx.stride()[:2], *wstr, *mstr, *bstr)
         self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=BLOCK_T, BS=BLOCK_S, RELU=bool(relu),
                            HAS_W=self.w is not None, PREC=_precision(self.q.dtype),
                            HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)

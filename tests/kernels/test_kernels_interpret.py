@@ -1,0 +1,209 @@
+"""HyTopK kernels under the Triton interpreter, bitwise against the CPU reference.
+
+Inputs are small multiples of 1/8 with small D and H, so every score is exact in any summation
+order and the kernels must match the reference bit for bit (values and indices). Knobs force the
+sampled threshold, overflowing buffers, too-few candidates, and more than 64 flagged rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from hyscale_compile.runtime import dispatch, hytopk, reference, stats
+from hyscale_compile.runtime.reference import Visibility
+from hyscale_compile.testing import assert_same_topk
+
+NEG_INF = float("-inf")
+ALL_VISIBLE = Visibility()
+
+
+@contextlib.contextmanager
+def knobs(**kw):
+    old = {k: getattr(hytopk.knobs, k) for k in kw}
+    for k, v in kw.items():
+        setattr(hytopk.knobs, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(hytopk.knobs, k, v)
+
+
+@pytest.fixture(autouse=True)
+def _small_grids():
+    # One or two programs per launch keep the interpreter fast; the kernels loop over the rest.
+    with knobs(programs=2):
+        yield
+
+
+def eighths(shape, lo=-4, hi=5, dtype=torch.bfloat16, gen=None):
+    return (torch.randint(lo, hi, shape, generator=gen) / 8).to(dtype)
+
+
+def inputs(B=2, T=5, H=2, D=16, S=40, dtype=torch.bfloat16, weights=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = eighths((B, T, H, D), dtype=dtype, gen=g)
+    kx = eighths((B, S, D), dtype=dtype, gen=g)
+    w = (torch.randint(-2, 3, (B, T, H), generator=g) / 4).float() if weights else None
+    return q, kx, w
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (-0.0 == +0.0), NaN equal to NaN."""
+    return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def check(q, kx, w, k, scale=0.5, relu=True, vis=ALL_VISIBLE, fill=NEG_INF):
+    v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill)
+    rv, ri = reference.select(q, kx, w, k, scale, relu, vis, fill)
+    assert same(v, rv), f"values differ:\n{v}\n{rv}"
+    assert torch.equal(i, ri), f"indices differ:\n{i}\n{ri}"
+    r = hytopk.rescore(q, kx, w, i, scale, relu, vis, fill)
+    assert same(r, v) and torch.equal(r.view(torch.int32), v.view(torch.int32)), "rescore != select bitwise"
+    return v, i
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dtypes_causal(dtype):
+    q, kx, w = inputs(dtype=dtype)
+    check(q, kx, w, 6, vis=Visibility(causal=True, offset=35))
+
+
+@pytest.mark.parametrize("relu,weights", [(False, True), (True, False), (False, False)])
+def test_relu_and_weights(relu, weights):
+    q, kx, w = inputs(weights=weights, seed=1)
+    check(q, kx, w, 7, relu=relu, vis=Visibility(causal=True, offset=30))
+
+
+def test_odd_sizes_t1_and_k_equals_s():
+    q, kx, w = inputs(B=1, T=1, H=3, D=24, S=37, seed=2)
+    check(q, kx, w, 37)
+    check(q, kx, w, 1, vis=Visibility(causal=True, offset=3))
+
+
+def test_windows_offsets_and_fill():
+    q, kx, w = inputs(B=2, T=6, S=30, seed=3)
+    starts = torch.tensor([[0, 2, 5, 9, 28, 3], [1, 1, 1, 0, 7, 29]])
+    ends = torch.tensor([[4, 9, 30, 10, 30, 3], [30, 2, 25, 30, 12, 30]])
+    for fill in (NEG_INF, -100.0, 0.0, 3.0):
+        check(q, kx, w, 5, vis=Visibility(starts=starts, ends=ends), fill=fill)
+    offsets = torch.tensor([3, 20])
+    check(q, kx, w, 8, vis=Visibility(causal=True, offset=1, offsets=offsets, starts=starts))
+
+
+def test_mask_and_bias_broadcast():
+    B, T, S = 2, 5, 33
+    q, kx, w = inputs(B=B, T=T, S=S, seed=4)
+    g = torch.Generator().manual_seed(5)
+    mask_bt = torch.rand(B, T, S, generator=g) > 0.3
+    mask_s = (torch.rand(1, 1, S, generator=g) > 0.5)
+    bias_ts = eighths((T, S), gen=g).float()
+    bias_ts[1, 3] = NEG_INF
+    bias_b = eighths((B, 1, S), gen=g, dtype=torch.float16)
+    check(q, kx, w, 6, vis=Visibility(mask=mask_bt))
+    check(q, kx, w, 6, vis=Visibility(causal=True, offset=28, mask=mask_s, bias=bias_ts), fill=-1.0)
+    check(q, kx, w, 9, vis=Visibility(bias=bias_b, mask=mask_bt[:, :1]), fill=0.5)
+
+
+def test_few_visible_keys():
+    q, kx, w = inputs(B=1, T=6, S=40, seed=6)
+    # query t sees t + 1 keys: fewer than k for most rows, masked positions follow lowest first
+    check(q, kx, w, 10, vis=Visibility(causal=True))
+    check(q, kx, w, 10, vis=Visibility(causal=True), fill=0.0)
+
+
+def test_adversarial_values():
+    B, T, H, D, S = 1, 4, 2, 16, 48
+    q, kx, w = inputs(B=B, T=T, H=H, D=D, S=S, seed=7)
+    equal_kx = kx[:, :1].expand(B, S, D).contiguous()
+    check(q, equal_kx, w, 5)  # all-equal scores: ties everywhere, positions decide
+    check(-q.abs(), kx.abs(), None, 5)  # all zero after relu
+    ties = kx.clone()
+    ties[:, ::3] = kx[:, 1:2]  # a third of the keys tie with key 1
+    check(q, ties, w, 20, relu=False)
+    ramp = torch.zeros(B, S, D, dtype=torch.bfloat16)
+    ramp[..., 0] = torch.arange(S) / 8
+    check(q.abs() + 0.125, ramp, None, 7, relu=False)  # scores increase with position
+    outl = kx.clone()
+    outl[0, 17] = 30.0
+    outl[0, 40] = -30.0
+    check(q, outl, w, 4, relu=False, vis=Visibility(causal=True, offset=44))
+    nan_kx = kx.clone()
+    nan_kx[0, 11, 3] = float("nan")
+    nan_q = q.clone()
+    nan_q[0, 2, 1, 0] = float("inf")
+    check(nan_q, nan_kx, w, 6, relu=False)
+
+
+def test_sampled_threshold_exact():
+    """Long-enough rows take the sampled threshold: far fewer candidates than keys, still exact."""
+    q, kx, w = inputs(B=1, T=6, S=128, seed=8)
+    stats.reset()
+    with knobs(capacity=64, target=40, samples=64):
+        check(q, kx, w, 8, vis=Visibility(causal=True, offset=122))
+    s = stats.read()
+    assert s.rows == 6 and s.rows_recovered <= 1 and 8 <= s.mean_candidates <= 64
+
+
+@pytest.mark.parametrize("case", ["overflow", "too_few"])
+def test_recovery_exact(case):
+    q, kx, w = inputs(B=2, T=2, S=120, seed=9)
+    kw = dict(capacity=12, target=6, samples=32) if case == "overflow" else dict(capacity=64, target=1, samples=32)
+    stats.reset()
+    with knobs(**kw):
+        check(q, kx, w, 10, vis=Visibility(causal=True, offset=110))
+    s = stats.read()
+    assert s.rows_recovered > 0 and s.fallbacks == 0
+
+
+def test_recovery_ties_and_fill():
+    """Recovery with every score tied and masked positions that beat the visible ones."""
+    q, kx, w = inputs(B=1, T=3, S=120, seed=10)
+    equal_kx = kx[:, :1].expand(1, 120, 16)
+    stats.reset()
+    with knobs(capacity=8, target=4, samples=16):
+        check(q, equal_kx, w, 12, vis=Visibility(causal=True, offset=100), fill=50.0)
+        check(q, kx, w, 12, vis=Visibility(starts=torch.tensor([[10, 60, 119]])), fill=NEG_INF)
+    assert stats.read().rows_recovered > 0
+
+
+def test_past_64_rows_fallback_exact():
+    q, kx, w = inputs(B=1, T=70, H=1, S=100, seed=11)
+    stats.reset()
+    with knobs(capacity=4, target=2, samples=16):
+        check(q, kx, w, 6, vis=Visibility(causal=True, offset=30))
+    s = stats.read()
+    assert s.rows_recovered > 64 and s.fallbacks == 1
+
+
+def test_rescore_matches_reference_on_any_indices():
+    q, kx, w = inputs(B=2, T=5, S=40, seed=12)
+    vis = Visibility(causal=True, offset=20, bias=eighths((1, 5, 40)).float())
+    idx = torch.randint(0, 40, (2, 5, 9))
+    r = hytopk.rescore(q, kx, w, idx, 0.5, True, vis, -7.0)
+    assert same(r, reference.rescore(q, kx, w, idx, 0.5, True, vis, -7.0))
+
+
+def test_random_inputs_near_ties():
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 4, 3, 32, generator=g).to(torch.bfloat16)
+    kx = torch.randn(1, 64, 32, generator=g).to(torch.bfloat16)
+    w = torch.randn(1, 4, 3, generator=g)
+    vis = Visibility(causal=True, offset=60)
+    v, i = hytopk.select(q, kx, w, 10, 1 / math.sqrt(32), True, vis, NEG_INF)
+    rv, ri = reference.select(q, kx, w, 10, 1 / math.sqrt(32), True, vis, NEG_INF)
+    assert_same_topk(v, i, rv, ri)
+
+
+def test_op_dispatch_and_repeatability():
+    q, kx, w = inputs(B=1, T=4, S=32, seed=14)
+    with dispatch.force_backend("triton"):
+        a = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, True)
+        b = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, False)
+    rv, ri = reference.select(q, kx, w, 5, 0.5, True, Visibility(causal=True, offset=28), NEG_INF)
+    assert same(a[0], rv) and torch.equal(a[1], ri)
+    assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)) and torch.equal(a[1], b[1])
