@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .score_tile import composite, order_key, score_tile, tile_values
 
+# block_kernel modes (host side; the kernel compares the literals, jit code reads no globals)
 MODE_FLOOR = 0
 MODE_TABLE = 1
 MODE_FILTER = 2
@@ -44,14 +45,14 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
     rows_t, row_ok, rid, lo, hi, blo, bhi = _block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
     tile0 = blo // BS
     tile1 = (bhi + BS - 1) // BS
-    if MODE == MODE_TABLE:  # the table covers every position, masked ones as fill
+    if MODE == 1:  # TABLE: the table covers every position, masked ones as fill
         tile0 = 0
         tile1 = (S + BS - 1) // BS
     q_rows = b * sqb + rows_t * sqt
     w_rows = b * swb + rows_t * swt
     kx_b = kx_ptr + b * skb
     rows_b = rows_t * 0 + b
-    if MODE == MODE_FILTER:
+    if MODE == 2:  # FILTER
         thr = tl.load(thr_ptr + rid, mask=row_ok, other=0)
     sink = tl.zeros((BT,), dtype=tl.float32)
     for tile in range(tile0 + split, tile1, SPLIT):
@@ -59,19 +60,19 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
         col_ok = cols < S
         acc = score_tile(q_ptr, kx_b, w_ptr, q_rows, w_rows, cols * sks, row_ok, col_ok,
                          H, sqh, swh, scale, D, BLOCK_D, BT, BS, RELU, HAS_W, PREC)
-        if MODE == MODE_FLOOR:
+        if MODE == 0:  # FLOOR: the arithmetic alone, one sum kept per row
             sink += tl.sum(acc, axis=1)
         else:
             val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
                                         mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
-            if MODE == MODE_TABLE:
+            if MODE == 1:
                 tl.store(out_ptr + rid[:, None] * out_stride + cols[None, :], val,
                          mask=row_ok[:, None] & col_ok[None, :])
             else:
                 key = order_key(val)
                 passed = in_range & (key >= thr[:, None])
                 _append(cnt_ptr, out_ptr, rid, row_ok, passed, composite(key, cols[None, :]), C, out_stride)
-    if MODE == MODE_FLOOR:
+    if MODE == 0:
         pid = (tl.program_id(1) * tl.num_programs(0) + pid_t) * SPLIT + split
         tl.store(out_ptr + pid.to(tl.int64) * BT + tl.arange(0, BT), sink)
 
@@ -142,8 +143,8 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
     if SAMPLED:
         m = tl.load(msamp_ptr + r).to(tl.int64)
         rank = (target * m + ctx - 1) // tl.maximum(ctx, 1)
-        j = tl.arange(0, MB)
-        keys = tl.load(samp_ptr + r * samp_stride + j, mask=j < M, other=-2147483648).to(tl.int64)
+        js = tl.arange(0, MB)
+        keys = tl.load(samp_ptr + r * samp_stride + js, mask=js < M, other=-2147483648).to(tl.int64)
         a = tl.full((), -2147483648, tl.int64)
         z = tl.full((), 2147483647, tl.int64)
         for _ in range(32):  # largest x with #(keys >= x) >= rank

@@ -1,0 +1,234 @@
+"""Indexer top-k selection on one GPU: scoring floor, table + torch.topk, eager, torch.compile, HyTopK.
+
+k=2048 (and one k=512 shape), D=128, bf16, causal with the queries at the end of the context.
+Every time is a median of CUDA-event timings. Writes results/selection.json and results/selection.md
+(or the paths given). A baseline that runs out of memory is recorded as null with a note.
+
+    python benchmarks/selection.py [--out DIR] [--shapes quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hyscale_compile.runtime import hytopk, stats  # noqa: E402
+from hyscale_compile.runtime.filter_kernels import MODE_FLOOR, MODE_TABLE, block_kernel, cdiv  # noqa: E402
+from hyscale_compile.runtime.reference import Visibility  # noqa: E402
+from hyscale_compile.runtime.score_tile import BLOCK_S, BLOCK_T  # noqa: E402
+
+SHAPES = [  # T, S, H, k
+    (4096, 131072, 64, 2048),
+    (4096, 131072, 16, 2048),
+    (2048, 524288, 16, 2048),
+    (8192, 131072, 32, 2048),
+    (4096, 262144, 64, 512),
+]
+D = 128
+EAGER_BUDGET = 24 << 30  # bytes of fp32 intermediates per query chunk in the eager indexer
+
+
+def median_ms(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench(lambda: a @ b) / 1e9
+
+
+def useful_flops(T: int, S: int, H: int) -> float:
+    """Multiply-adds of the visible pairs only (row t sees S - T + t + 1 keys)."""
+    pairs = T * (S - T) + T * (T + 1) / 2
+    return 2.0 * pairs * H * D
+
+
+def block_launch(pb, mode: int, out: torch.Tensor, split: int) -> None:
+    pb.launch(block_kernel, (pb.n_tblk, pb.B, split), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, pb.lo, pb.lo, out,
+              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, 0, pb.S, split, MODE=mode)
+
+
+def eager_indexer(q, kx, w, k, scale, offset):
+    """The indexer as model code writes it: upcast, einsum, relu, head-weighted sum, mask, topk."""
+    B, T, H, _ = q.shape
+    S = kx.shape[1]
+    chunk = _chunk(B, T, H, S)
+    vals, idxs = [], []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        v, i = _eager_chunk(q[:, t0:t1], kx, w[:, t0:t1], k, scale, offset + t0)
+        vals.append(v)
+        idxs.append(i)
+    return torch.cat(vals, 1), torch.cat(idxs, 1)
+
+
+def _chunk(B: int, T: int, H: int, S: int) -> int:
+    """Query rows per chunk: a power of two (equal chunks, one compiled shape) within the budget."""
+    rows = max(1, EAGER_BUDGET // (3 * B * H * S * 4))
+    return min(T, 1 << (rows.bit_length() - 1))
+
+
+def _eager_chunk(q, kx, w, k, scale, offset):
+    s = torch.einsum("bthd,bsd->bths", q.float(), kx.float()) * scale
+    s = (torch.relu(s) * w.float()[..., None]).sum(2)
+    t = torch.arange(q.shape[1], device=q.device)[:, None] + offset
+    pos = torch.arange(kx.shape[1], device=q.device)[None, :]
+    s = s.masked_fill(pos > t, float("-inf"))
+    return torch.topk(s, k, dim=-1)
+
+
+_compiled_chunk = None
+
+
+def compiled_indexer(q, kx, w, k, scale, offset):
+    global _compiled_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_eager_chunk)
+    B, T, H, _ = q.shape
+    S = kx.shape[1]
+    chunk = _chunk(B, T, H, S)
+    vals, idxs = [], []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        v, i = _compiled_chunk(q[:, t0:t1], kx, w[:, t0:t1], k, scale, offset + t0)
+        vals.append(v)
+        idxs.append(i)
+    return torch.cat(vals, 1), torch.cat(idxs, 1)
+
+
+def guarded(fn, notes: list, name: str):
+    try:
+        return fn()
+    except torch.OutOfMemoryError as e:
+        notes.append(f"{name}: out of memory ({str(e).splitlines()[0][:120]})")
+        torch.cuda.empty_cache()
+        return None
+
+
+def run_shape(T: int, S: int, H: int, k: int, mm: float, slow_baselines: bool) -> dict:
+    torch.manual_seed(0)
+    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    kx = torch.randn(1, S, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1, T, H, device="cuda", dtype=torch.float32) / math.sqrt(H)
+    scale = D**-0.5
+    vis = Visibility(causal=True, offset=S - T)
+    fill = float("-inf")
+    notes: list[str] = []
+    pb = hytopk._Problem(q, kx, w, scale, True, vis, fill)
+    split = max(1, min(cdiv(S, BLOCK_S), cdiv(hytopk._programs(q.device), pb.n_tblk)))
+    sink = torch.empty(pb.n_tblk * split * BLOCK_T, device="cuda", dtype=torch.float32)
+    floor_ms = bench(lambda: block_launch(pb, MODE_FLOOR, sink, split))
+
+    def table_topk():
+        table = torch.empty(T, S, device="cuda", dtype=torch.float32)
+        block_launch(pb, MODE_TABLE, table, split)
+        return torch.topk(table, k, dim=-1)
+
+    table_ms = guarded(lambda: bench(table_topk), notes, "table_topk")
+    torch.cuda.empty_cache()
+
+    def hy():
+        return hytopk.select(q, kx, w, k, scale, True, vis, fill)
+
+    hy()
+    torch.cuda.synchronize()
+    hy_ms = bench(hy)
+    cand_ms = bench(lambda: hytopk.candidates(hytopk._Problem(q, kx, w, scale, True, vis, fill), k))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    stats.reset()
+    out = hy()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    st = stats.read()
+    del out
+    _, cap, _ = hytopk.sizes(k, S)
+    buffer_bytes = T * (cap + k) * 8
+    output_bytes = T * k * 12
+    eager_ms = compile_ms = None
+    if slow_baselines:
+        off = S - T
+        eager_ms = guarded(lambda: median_ms(lambda: eager_indexer(q, kx, w, k, scale, off), 3), notes, "eager")
+        torch.cuda.empty_cache()
+        compile_ms = guarded(lambda: median_ms(lambda: compiled_indexer(q, kx, w, k, scale, off), 3), notes,
+                             "compile")
+        torch.cuda.empty_cache()
+    fl = useful_flops(T, S, H)
+    row = dict(T=T, S=S, H=H, D=D, k=k, matmul_tflops=round(mm, 1), floor_tflops=round(fl / floor_ms / 1e9, 1),
+               floor_ms=round(floor_ms, 3), table_topk_ms=None if table_ms is None else round(table_ms, 3),
+               eager_ms=None if eager_ms is None else round(eager_ms, 2),
+               compile_ms=None if compile_ms is None else round(compile_ms, 2), hytopk_ms=round(hy_ms, 3),
+               hytopk_peak_extra_bytes=int(peak), rows_recovered=st.rows_recovered, fallbacks=st.fallbacks,
+               hytopk_candidates_ms=round(cand_ms, 3), hytopk_over_floor=round(hy_ms / floor_ms, 3),
+               mean_candidates=round(st.mean_candidates, 1), candidate_buffer_bytes=buffer_bytes,
+               output_bytes=output_bytes, notes=notes)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def markdown(res: dict) -> str:
+    cols = ["T", "S", "H", "k", "matmul_tflops", "floor_tflops", "floor_ms", "table_topk_ms", "eager_ms", "compile_ms",
+            "hytopk_ms", "hytopk_over_floor", "hytopk_peak_extra_bytes", "candidate_buffer_bytes", "rows_recovered",
+            "fallbacks"]
+    lines = [f"# Selection benchmark ({res['device']}, torch {res['torch']}, triton {res['triton']}, {res['date']}, "
+             f"commit {res['commit']})", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in res["rows"]:
+        lines.append("| " + " | ".join("—" if r.get(c) is None else str(r[c]) for c in cols) + " |")
+    notes = [f"- {r['T']}x{r['S']}x{r['H']}: {n}" for r in res["rows"] for n in r["notes"]]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--no-slow", action="store_true", help="skip the eager and torch.compile baselines")
+    ap.add_argument("--shapes", default="all", help="'all' or comma-separated indices into SHAPES")
+    args = ap.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    mm = matmul_tflops()
+    print(f"bf16 matmul {mm:.0f} TFLOP/s", flush=True)
+    rows = [run_shape(T, S, H, k, mm, not args.no_slow) for T, S, H, k in shapes]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        commit = None
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.date.today().isoformat(), commit=commit, rows=rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "selection.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(args.out, "selection.md"), "w") as f:
+        f.write(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()

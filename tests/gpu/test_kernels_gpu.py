@@ -1,0 +1,156 @@
+"""HyTopK kernels on a CUDA device at real sizes (skipped without one)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from hyscale_compile.runtime.reference import Visibility
+from hyscale_compile.testing import assert_same_topk
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+NEG_INF = float("-inf")
+
+
+def _mods():
+    from hyscale_compile.runtime import hytopk, reference, stats
+
+    return hytopk, reference, stats
+
+
+@contextlib.contextmanager
+def knobs(**kw):
+    hytopk = _mods()[0]
+    old = {k: getattr(hytopk.knobs, k) for k in kw}
+    for k, v in kw.items():
+        setattr(hytopk.knobs, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(hytopk.knobs, k, v)
+
+
+def exact_inputs(B, T, H, D, S, dtype=torch.bfloat16, seed=0):
+    """Multiples of 1/8: every score is exact in any order, so results must match bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randint(-4, 5, (B, T, H, D), device="cuda", generator=g) / 8).to(dtype)
+    kx = (torch.randint(-4, 5, (B, S, D), device="cuda", generator=g) / 8).to(dtype)
+    w = (torch.randint(-2, 3, (B, T, H), device="cuda", generator=g) / 4).float()
+    return q, kx, w
+
+
+def same(a, b) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def check_exact(q, kx, w, k, vis, fill=NEG_INF, relu=True, scale=0.5):
+    hytopk, reference, _ = _mods()
+    v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill)
+    rv, ri = reference.select(q, kx, w, k, scale, relu, vis, fill)
+    assert same(v, rv)
+    assert torch.equal(i, ri)
+    r = hytopk.rescore(q, kx, w, i, scale, relu, vis, fill)
+    assert torch.equal(r.view(torch.int32), v.view(torch.int32))
+    return v, i
+
+
+@pytest.mark.parametrize("H,D,k", [(16, 128, 2048), (64, 128, 512), (1, 64, 1024), (5, 64, 100)])
+def test_exact_causal(H, D, k):
+    q, kx, w = exact_inputs(1, 300, H, D, 20000, seed=H)
+    check_exact(q, kx, w, k, Visibility(causal=True, offset=20000 - 300))
+
+
+def test_exact_windows_mask_bias_fill():
+    B, T, S = 2, 130, 9000
+    q, kx, w = exact_inputs(B, T, 8, 128, S, dtype=torch.float16, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    starts = torch.randint(0, S, (B, T), device="cuda", generator=g)
+    ends = (starts + torch.randint(0, 5000, (B, T), device="cuda", generator=g)).clamp(max=S)
+    mask = torch.rand(1, 1, S, device="cuda", generator=g) > 0.2
+    bias = (torch.randint(-4, 5, (T, S), device="cuda", generator=g) / 8).float()
+    check_exact(q, kx, w, 700, Visibility(starts=starts, ends=ends, mask=mask, bias=bias), fill=-3.0)
+    check_exact(q, kx, None, 256, Visibility(causal=True, offset=-5), relu=False)
+
+
+def test_forced_recovery_and_fallback_exact():
+    _, _, stats = _mods()
+    q, kx, w = exact_inputs(1, 200, 4, 64, 12000, seed=5)
+    vis = Visibility(causal=True, offset=12000 - 200)
+    stats.reset()
+    with knobs(capacity=280, target=300):  # most rows overflow: > 64 flagged
+        check_exact(q, kx, w, 256, vis)
+    s = stats.read()
+    assert s.rows_recovered > 64 and s.fallbacks == 1
+    stats.reset()
+    q1 = q[:, :40].contiguous()
+    with knobs(capacity=280, target=300):
+        check_exact(q1, kx, w[:, :40].contiguous(), 256, Visibility(causal=True, offset=12000 - 40))
+    s = stats.read()
+    assert 0 < s.rows_recovered <= 64 and s.fallbacks == 0
+
+
+def test_random_bf16_and_fp32_near_ties():
+    hytopk, reference, _ = _mods()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(1, 256, 16, 128, device="cuda", generator=g).to(dtype)
+        kx = torch.randn(1, 32768, 128, device="cuda", generator=g).to(dtype)
+        w = torch.randn(1, 256, 16, device="cuda", generator=g)
+        vis = Visibility(causal=True, offset=32768 - 256)
+        v, i = hytopk.select(q, kx, w, 2048, 1 / math.sqrt(128), True, vis, NEG_INF)
+        rv, ri = reference.select(q, kx, w, 2048, 1 / math.sqrt(128), True, vis, NEG_INF)
+        assert_same_topk(v, i, rv, ri, rtol=1e-4, atol=1e-4)
+        r = hytopk.rescore(q, kx, w, i, 1 / math.sqrt(128), True, vis, NEG_INF)
+        assert torch.equal(r.view(torch.int32), v.view(torch.int32))
+
+
+def test_long_context_million_keys():
+    q, kx, w = exact_inputs(1, 16, 4, 64, 1 << 20, seed=7)
+    check_exact(q, kx, w, 512, Visibility(causal=True, offset=(1 << 20) - 16))
+
+
+def test_repeatable_and_sync_free():
+    hytopk, _, _ = _mods()
+    q, kx, w = exact_inputs(1, 512, 16, 128, 65536, seed=8)
+    q = q + torch.randn_like(q) * 0.01  # non-exact values: order of atomics must still not matter
+    vis = Visibility(causal=True, offset=65536 - 512)
+    v0, i0 = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runs = [hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF) for _ in range(10)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for v, i in runs:
+        assert torch.equal(v.view(torch.int32), v0.view(torch.int32)) and torch.equal(i, i0)
+
+
+def test_recovery_sync_free_and_graph_capture():
+    hytopk, _, _ = _mods()
+    q, kx, w = exact_inputs(1, 64, 8, 128, 16384, seed=9)
+    vis = Visibility(causal=True, offset=16384 - 64)
+    with knobs(capacity=700, target=350):
+        ref = hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF)  # warm up on the capture stream
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF)
+        graph.replay()
+        torch.cuda.synchronize()
+    for out in (again, captured):
+        assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)) and torch.equal(out[1], ref[1])
