@@ -39,8 +39,8 @@ from torch import Tensor
 from .lowering.api import indexer_topk
 from .runtime.reference import order_key
 
-__all__ = ["KeyGather", "cp_indexer_topk", "gather_keys", "global_positions", "merge_topk", "query_offset",
-           "start_key_gather"]
+__all__ = ["KeyGather", "cp_indexer_topk", "gather_keys", "gather_sequence", "global_positions", "merge_topk",
+           "query_offset", "start_key_gather"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,6 +137,21 @@ def start_key_gather(kx_local: Tensor, group: dist.ProcessGroup | None = None) -
     Every rank of ``group`` must call it. Do other work in between to hide the gather.
     """
     return _start_gather(kx_local, group, async_op=True)
+
+
+def gather_sequence(x_local: Tensor, group: dist.ProcessGroup | None = None, dim: int = 1) -> Tensor:
+    """All ranks' chunks of ``x_local`` concatenated along ``dim``, for use *inside* torch.compile.
+
+    Built on torch's functional collectives, which Dynamo traces into the graph (no graph break)
+    and which are differentiable (backward: reduce-scatter). A model under context parallelism
+    gathers its indexer keys with it and writes the rest of the indexer in plain PyTorch with a
+    global-position causal mask; the selection pass rewrites that site as usual. The result is
+    contiguous, which the operators' saved tensors expect.
+    """
+    from torch.distributed import _functional_collectives as fc
+
+    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    return gather(x_local, dim, group if group is not None else dist.group.WORLD)
 
 
 # ---------------------------------------------------------------------------------------------
