@@ -48,12 +48,13 @@ def _hyscale_indexer(q, kx, w, spelling):
 
 def _layer(x, wq, wk, ww, wa, indexer, loss):
     # Offsets keep the dots positive: relu then leaves no exact ties at 0 that topk may break either way.
-    q = (x @ wq + 2.0).view(B, T, H, D)
-    kx = x @ wk + 2.0
-    w = x @ ww
+    xn = torch.nn.functional.layer_norm(x, (DM,))
+    q = (xn @ wq + 2.0).view(B, T, H, D)
+    kx = xn @ wk + 2.0
+    w = xn @ ww
     values, idx = indexer(q, kx, w, loss)
     if loss == "values":  # the loss reads topk values directly
-        return (torch.softmax(values, -1) * x[..., :K]).sum() + values.square().mean()
+        return (torch.softmax(values, -1) * x[..., :K]).sum() + values.square().mean(), x + values.mean(-1, True)
     # DSA: sparse attention over the selected keys, indexer KL loss read at the selected positions
     qa, ka, va = (x @ wa[i] for i in range(3))
     flat = idx.reshape(B * T * K)
@@ -63,7 +64,7 @@ def _layer(x, wq, wk, ww, wa, indexer, loss):
     out = torch.einsum("btk,btkd->btd", attn, sel_v)
     target = attn.detach()
     kl = (target * (target.clamp_min(1e-12).log() - torch.log_softmax(values, -1))).sum()
-    return out.square().mean() + kl
+    return out.square().mean() + kl, x + out
 
 
 def _sac_policy(ctx, op, *args, **kwargs):
@@ -73,10 +74,14 @@ def _sac_policy(ctx, op, *args, **kwargs):
 def _model(indexer, loss, ckpt):
     def fn(x, wq, wk, ww, wa):
         if ckpt == "none":
-            return _layer(x, wq, wk, ww, wa, indexer, loss)
-        ctx = {} if ckpt == "ckpt" else {"context_fn": functools.partial(create_selective_checkpoint_contexts,
-                                                                         _sac_policy)}
-        return checkpoint(_layer, x, wq, wk, ww, wa, indexer, loss, use_reentrant=False, **ctx)
+            return _layer(x, wq, wk, ww, wa, indexer, loss)[0]
+        ctx = {} if ckpt != "sac" else {"context_fn": functools.partial(create_selective_checkpoint_contexts,
+                                                                        _sac_policy)}
+        first, h = checkpoint(_layer, x, wq, wk, ww, wa, indexer, loss, use_reentrant=False, **ctx)
+        if ckpt != "ckpt2":
+            return first
+        # a second checkpointed layer reading the first one's output: replay must stay in each region
+        return first + checkpoint(_layer, h, wq, wk, ww, wa, indexer, loss, use_reentrant=False)[0]
 
     return fn
 
@@ -181,7 +186,8 @@ def _run(loss: str, ckpt: str) -> dict:
             "counters": dict(counters["hyscale"])}
 
 
-VARIANTS = [(loss, ckpt) for loss in ("values", "gather") for ckpt in ("none", "ckpt", "sac")]
+VARIANTS = [(loss, ckpt) for loss in ("values", "gather") for ckpt in ("none", "ckpt", "sac")] + [("gather", "ckpt2")]
+SITES = {"ckpt2": 2}
 
 
 @pytest.mark.parametrize("loss,ckpt", VARIANTS)
@@ -199,7 +205,9 @@ def test_backward_never_runs_select(loss, ckpt):
     assert "hyscale::sparse_backward" in r["bw_ops"]
     if ckpt != "none":
         assert "hyscale::rescore" in r["bw_ops"]
-    assert r["counters"].get("replay_applied") == 1
+    assert r["counters"].get("replay_applied") == SITES.get(ckpt, 1)
+    if ckpt != "none":
+        assert r["counters"].get("replay_rescore_nodes") == SITES.get(ckpt, 1)
 
 
 @pytest.mark.parametrize("loss,ckpt", VARIANTS)
@@ -231,10 +239,16 @@ fw: select[MUST_SAVE]
 saved: indices x1, input x2, other
 bw: rescore[MUST_RECOMPUTE], sparse_backward""")
 
+    def test_two_checkpointed_layers(self):
+        self.assertExpectedInline(_project(_run("gather", "ckpt2")["graphs"]), """\
+fw: select[MUST_SAVE], select[MUST_SAVE]
+saved: indices x2, input x4, other
+bw: rescore[MUST_RECOMPUTE], sparse_backward, rescore[MUST_RECOMPUTE], sparse_backward""")
+
     def test_no_checkpoint_gather(self):
         self.assertExpectedInline(_project(_run("gather", "none")["graphs"]), """\
 fw: select[MUST_SAVE]
-saved: indices x1, other
+saved: indices x1, input x1, other
 bw: sparse_backward""")
 
 

@@ -39,6 +39,19 @@ def _must_recompute(node: fx.Node) -> bool:
     return node.meta.get("recompute") in _RECOMPUTE
 
 
+def _replayable(node: fx.Node) -> bool:
+    """A recompute-tagged node we may copy: random ops stay with the partitioner (it threads their seeds)."""
+    tags = getattr(node.target, "tags", ())
+    return (node.op == "call_function" and _must_recompute(node) and torch.Tag.nondeterministic_seeded not in tags
+            and not node.is_impure())
+
+
+def _feeds_later_region(node: fx.Node) -> bool:
+    region = node.meta.get("ac_graph_id")
+    return region is not None and any(
+        _must_recompute(u) and u.meta.get("ac_graph_id", region) > region for u in node.users)
+
+
 def _is_select(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.hyscale.select.default
 
@@ -89,10 +102,16 @@ class _Replayer:
         self.rescores = 0
 
     def chain(self) -> set[fx.Node]:
-        """values and the recompute-tagged forward nodes that read them, transitively."""
+        """values and the recompute-tagged forward nodes of the same checkpoint region that read them.
+
+        The walk stops at the region's boundary: a node read by a later region is saved by the
+        partitioner (cleanup_recompute_tags), so the backward reads it and needs no copy of it.
+        """
+        region = self.select.meta.get("ac_graph_id")
         reach = set(self.values)
         for node in self.graph.nodes:
-            if node not in self.bw and _must_recompute(node) and any(a in reach for a in node.all_input_nodes):
+            if (node not in self.bw and _replayable(node) and node.meta.get("ac_graph_id") == region
+                    and not _feeds_later_region(node) and any(a in reach for a in node.all_input_nodes)):
                 reach.add(node)
         return reach
 
@@ -133,6 +152,7 @@ class _Replayer:
             new = self.graph.call_function(node.target, args, kwargs)
             new.meta.update(node.meta)
         self.memo[node] = new
+        self.bw.add(new)  # copies run in the backward: a later select's replay must see them as readers
         return new
 
     def run(self) -> int:
