@@ -1,0 +1,137 @@
+"""The HF transformers DSA models (DeepSeek-V3.2, GLM-MoE-DSA), unmodified, compiled with backend="hyscale".
+
+Tiny random configs on CPU (tests/models/hf.py). Two kinds of checks:
+
+* logits of the compiled model equal eager (Inductor compiles the rewritten graph);
+* every indexer site is rewritten (counters["hyscale"]["selection_rewritten"] == one per layer that runs an
+  indexer), and the MoE router's top-k nodes are not. These are xfail until the selection pass recognises the HF
+  spelling (reason "selection pass"); strict=False so they turn green on their own.
+
+Tolerance of the logits: the indexer only produces indices, so once the selection is the same the only
+differences come from Inductor's fp32 arithmetic (fused RMSNorm/softmax reductions in another order). On these
+models that is about 1.5e-7 on logits of magnitude ~0.6. A single different selected key changes the logits of
+the rows that see it by 4e-2 to 1e-1 (measured by comparing index_topk=8 with 7: HF's default initializer_range
+0.02 is enough to make the selection visible in the logits). atol=rtol=1e-5 is 60x above the
+rounding noise and 4000x below the effect of one wrong key. ``_assert_selection_well_posed`` checks that the
+eager scores have no tie or near-tie at the k-th place, so that rounding alone cannot change the selection.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.overrides import TorchFunctionMode
+
+pytest.importorskip("transformers")
+
+from models.hf import indexer_sites, tiny_deepseek_v32, tiny_glm_moe_dsa  # noqa: E402
+
+LOGITS_TOL = dict(rtol=1e-5, atol=1e-5)
+
+CASES = {
+    # index_topk < S: a real selection; rows t < k - 1 have fewer visible keys than k (masked picks).
+    "deepseek_v32": (tiny_deepseek_v32, dict(index_topk=8, seq_len=16)),
+    # index_topk >= S: min(index_topk, S) == S, every key is selected.
+    "deepseek_v32_k_ge_s": (tiny_deepseek_v32, dict(index_topk=32, seq_len=16)),
+    # Eager attention: the indexer mask is additive with torch.finfo(float32).min, plus left padding.
+    "deepseek_v32_eager_attn_padded": (
+        tiny_deepseek_v32,
+        dict(index_topk=8, seq_len=16, attn_implementation="eager", padding=True),
+    ),
+    # Layers F, S, F: layer 1 reuses layer 0's indices (2 indexer sites, 3 scatters).
+    "glm_moe_dsa": (tiny_glm_moe_dsa, dict(index_topk=8, seq_len=16, indexer_pattern="FSF")),
+}
+
+# Cheaper cases for the rewrite counters (options={"compiler": "eager"}: the pass runs, Inductor does not).
+COUNTER_CASES = dict(
+    CASES,
+    # A MoE layer adds three router top-k nodes that are not indexer sites.
+    deepseek_v32_moe=(tiny_deepseek_v32, dict(index_topk=8, seq_len=16, moe=True)),
+    glm_moe_dsa_moe=(tiny_glm_moe_dsa, dict(index_topk=8, seq_len=16, indexer_pattern="FSF", moe=True)),
+    deepseek_v32_bf16=(tiny_deepseek_v32, dict(index_topk=8, seq_len=16, dtype=torch.bfloat16)),
+    deepseek_v32_no_cache=(tiny_deepseek_v32, dict(index_topk=8, seq_len=16, use_cache=False)),
+)
+
+
+class _RecordTopk(TorchFunctionMode):
+    """Records (input, k) of every Tensor.topk / torch.topk call made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.topk, torch.Tensor.topk):
+            k = args[1] if len(args) > 1 else kwargs["k"]
+            self.calls.append((args[0].detach().clone(), k))
+        return func(*args, **kwargs)
+
+
+def _assert_selection_well_posed(model, inputs, rel_gap=1e-4):
+    """Eager indexer scores have a clear gap between the k-th and the (k+1)-th visible key of every row.
+
+    Visible = finite and above -1e38 (the models mask with -inf or finfo.min). Rows with at most k visible keys
+    select all of them, whatever the rounding. Without this, a correct rewrite could legitimately pick another
+    key and the logits comparison would not be a test of the pass.
+    """
+    rec = _RecordTopk()
+    with torch.no_grad(), rec:
+        model(**inputs)
+    indexer_calls = [(s, k) for s, k in rec.calls if s.dim() == 3 and s.shape[-1] == s.shape[-2]]
+    assert indexer_calls, "no indexer top-k call seen"
+    for scores, k in indexer_calls:
+        scores = scores.float()
+        if k >= scores.shape[-1]:
+            continue
+        visible = scores > -1e38
+        ranked = scores.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True).values
+        kth, next_ = ranked[..., k - 1], ranked[..., k]
+        rows = visible.sum(-1) > k
+        gap = (kth - next_)[rows]
+        scale = kth[rows].abs().clamp_min(1e-6)
+        assert (gap > rel_gap * scale).all(), f"near-tie at the k-th place: min relative gap {(gap / scale).min()}"
+
+
+def _build(case):
+    factory, kwargs = case
+    kwargs = dict(kwargs)
+    use_cache = kwargs.pop("use_cache", None)
+    model, inputs = factory(**kwargs)
+    if use_cache is not None:
+        inputs["use_cache"] = use_cache
+    return model, inputs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_equal_eager(name):
+    model, inputs = _build(CASES[name])
+    _assert_selection_well_posed(model, inputs)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        compiled = torch.compile(model, backend="hyscale")
+        actual = compiled(**inputs).logits
+    torch.testing.assert_close(actual, expected, **LOGITS_TOL)
+
+
+@pytest.mark.xfail(strict=False, reason="selection pass")
+@pytest.mark.parametrize("name", list(COUNTER_CASES))
+def test_every_indexer_site_rewritten(name):
+    model, inputs = _build(COUNTER_CASES[name])
+    _assert_selection_well_posed(model, inputs)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        actual = torch.compile(model, backend="hyscale", options={"compiler": "eager"})(**inputs).logits
+    torch.testing.assert_close(actual, expected, **LOGITS_TOL)
+    sites = indexer_sites(model)
+    assert counters["hyscale"]["selection_rewritten"] == sites, dict(counters["hyscale"])
+
+
+def test_factories_are_deterministic():
+    for factory, kwargs in (CASES["deepseek_v32"], CASES["glm_moe_dsa"]):
+        (m1, x1), (m2, x2) = factory(seed=3, **kwargs), factory(seed=3, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+        assert all(torch.equal(x1[key], x2[key]) for key in x1)
+        (m3, _) = factory(seed=4, **kwargs)
+        assert not torch.equal(m1.lm_head.weight, m3.lm_head.weight)
