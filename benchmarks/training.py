@@ -1,0 +1,219 @@
+"""Training benchmark: one indexer + selection layer, forward + backward under activation checkpointing.
+
+The layer is plain PyTorch (an unmodified indexer: einsum, relu, head-weighted sum, causal mask,
+topk), so the hyscale backend only helps where its selection pass rewrites it. Modes:
+
+    eager               the layer as written
+    inductor            torch.compile(backend="inductor")
+    hyscale_noreplay    torch.compile(backend="hyscale", options={"replay": False})
+    hyscale             torch.compile(backend="hyscale")
+
+Per row: ms per step, the share of the hyscale step spent in ``rescore`` (timed on its own at the
+same shapes), peak memory. A mode that runs out of memory is recorded as "OOM at N GiB".
+
+    python benchmarks/training.py                 # the issue's shapes on CUDA -> results/training.json
+    python benchmarks/training.py --smoke         # tiny shapes, any device, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H)
+MODES = ["eager", "inductor", "hyscale_noreplay", "hyscale"]
+MODE_KEYS = {"eager": "eager_ms", "inductor": "inductor_ms", "hyscale_noreplay": "hyscale_noreplay_ms",
+             "hyscale": "hyscale_ms"}
+
+
+def indexer_layer(q, kx, w, target, k: int):
+    """Unmodified DSA indexer with an fp32 score table, loss read at the selected positions."""
+    T, S = q.shape[1], kx.shape[1]
+    scale = q.shape[-1] ** -0.5
+    dots = torch.einsum("bthd,bsd->bths", q, kx).float() * scale
+    score = (torch.relu(dots) * w.float()[..., None]).sum(2)
+    pos_t = torch.arange(T, device=q.device).view(T, 1) + (S - T)  # queries are the last T keys
+    future = torch.arange(S, device=q.device).view(1, S) > pos_t
+    score = score.masked_fill(future, float("-inf"))
+    values, idx = score.topk(k, dim=-1)
+    return (torch.log_softmax(values, -1) * target).sum() / values.shape[1]
+
+
+def step_fn(k: int):
+    def step(q, kx, w, target):
+        return checkpoint(indexer_layer, q, kx, w, target, k, use_reentrant=False)
+
+    return step
+
+
+def make_fn(mode: str, k: int):
+    fn = step_fn(k)
+    if mode == "eager":
+        return fn
+    if mode == "inductor":
+        return torch.compile(fn, backend="inductor", dynamic=False)
+    opts = {"replay": mode == "hyscale"}
+    return torch.compile(fn, backend="hyscale", options=opts, dynamic=False)
+
+
+def make_inputs(T: int, S: int, H: int, D: int, k: int, device: str, dtype: torch.dtype):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, T, H, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    kx = torch.randn(1, S, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    w = torch.rand(1, T, H, device=device, dtype=dtype, generator=g).requires_grad_()
+    target = torch.softmax(torch.randn(1, T, k, device=device, generator=g), -1)
+    return q, kx, w, target
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(fn, inputs, iters: int, device: str) -> float:
+    """ms per forward + backward step (after two warm-up steps, which include compilation)."""
+    for _ in range(2):
+        fn(*inputs).backward()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn(*inputs).backward()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def rescore_ms(inputs, k: int, iters: int, device: str) -> float:
+    """Time of the rescore the replayed backward runs, at the same shapes."""
+    import hyscale_compile
+
+    q, kx, w, _ = inputs
+    T, S = q.shape[1], kx.shape[1]
+    with torch.no_grad():
+        _, idx = hyscale_compile.indexer_topk(q, kx, k, weights=w.float(), scale=q.shape[-1] ** -0.5,
+                                              query_offset=S - T)
+        args = (q, kx, w.float(), idx, q.shape[-1] ** -0.5, True, True, S - T, None, None, None, None, None,
+                float("-inf"))
+        torch.ops.hyscale.rescore(*args)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.ops.hyscale.rescore(*args)
+        _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def sparse_backward_ms(inputs, k: int, iters: int, device: str) -> dict:
+    """Deterministic vs atomic dkx in the sparse backward kernel (decides PREFER_DETERMINISTIC)."""
+    from hyscale_compile.runtime import reference
+    from hyscale_compile.runtime import sparse_backward as sb
+
+    q, kx, w, _ = inputs
+    T, S = q.shape[1], kx.shape[1]
+    idx = torch.randint(0, S - T, (1, T, k), device=device)
+    g = torch.randn(1, T, k, device=device)
+    vis = reference.Visibility(causal=True, offset=S - T)
+    out = {}
+    old = sb.PREFER_DETERMINISTIC
+    try:
+        sb.PREFER_DETERMINISTIC = False
+        for det in (True, False):
+            run = lambda det=det: sb.sparse_backward(g, q.detach(), kx.detach(), w.detach().float(), idx, 0.1,
+                                                     True, vis, deterministic=det)
+            run()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run()
+            _sync(device)
+            out["deterministic_ms" if det else "atomic_ms"] = (time.perf_counter() - t0) * 1e3 / iters
+    finally:
+        sb.PREFER_DETERMINISTIC = old
+    return out
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower()
+
+
+def run_mode(mode: str, shape, D: int, k: int, iters: int, device: str, dtype) -> tuple[object, int | None]:
+    """(ms per step or 'OOM at N GiB', peak bytes or None)."""
+    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    T, S, H = shape
+    try:
+        inputs = make_inputs(T, S, H, D, k, device, dtype)
+        ms = time_steps(make_fn(mode, k), inputs, iters, device)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        return round(ms, 3), peak
+    except Exception as e:  # noqa: BLE001  (an OOM anywhere, compile included, is a result)
+        if not _is_oom(e):
+            raise
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        return f"OOM at {peak / 2**30:.1f} GiB", peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, print only")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of the issue's shapes")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "training.json"))
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    D, k = (16, 8) if args.smoke else (128, 2048)
+    shapes = [(32, 128, 2)] if args.smoke else SHAPES[: args.shapes]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    modes = args.modes.split(",")
+    start = time.perf_counter()
+    rows = []
+    for shape in shapes:
+        if time.perf_counter() - start > args.budget_s:
+            print(f"budget spent: skipping {shape}")
+            continue
+        T, S, H = shape
+        row = {"T": T, "S": S, "H": H, "D": D, "k": k}
+        peaks = {}
+        for mode in modes:
+            row[MODE_KEYS[mode]], peaks[mode] = run_mode(mode, shape, D, k, args.iters, device, dtype)
+            print(f"T={T} S={S} H={H} {mode}: {row[MODE_KEYS[mode]]} ms, peak {peaks[mode]}", flush=True)
+        inputs = make_inputs(T, S, H, D, k, device, dtype)
+        hy = row.get("hyscale_ms")
+        row["rescore_ms"] = round(rescore_ms(inputs, k, args.iters, device), 3)
+        row["rescore_share"] = round(row["rescore_ms"] / hy, 4) if isinstance(hy, float) else None
+        row["inductor_peak_bytes"] = peaks.get("inductor")
+        row["hyscale_peak_bytes"] = peaks.get("hyscale")
+        if device == "cuda" and not rows:
+            row["sparse_backward"] = sparse_backward_ms(inputs, k, args.iters, device)
+        del inputs
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if not args.smoke:
+            _write(args.out, device, rows)
+
+
+def _write(path: str, device: str, rows: list[dict]) -> None:
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    doc = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+           "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit, "rows": rows}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
