@@ -9,7 +9,9 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -96,11 +98,11 @@ def _cp_inputs(B: int, L: int, H: int, D: int, dtype: torch.dtype):
     return q, kx, w
 
 
-def _check_cp_equal(rank: int) -> None:
+def _check_cp_equal(rank: int, cases: list = _CP_CASES) -> None:
     from hyscale_compile import indexer_topk
     from hyscale_compile.distributed import cp_indexer_topk, global_positions, query_offset, start_key_gather
 
-    for B, L, H, D, k, dtype in _CP_CASES:
+    for B, L, H, D, k, dtype in cases:
         q, kx, w = _cp_inputs(B, L, H, D, dtype)
         ref_v, ref_i = indexer_topk(q, kx, k, weights=w, scale=0.5, query_offset=0)
         T = L // WORLD
@@ -141,11 +143,38 @@ def _check_cp_grad(rank: int) -> None:
             torch.testing.assert_close(got, ref, msg=lambda m, where=where: f"{where}: {m}")
 
 
-_CP_CHECKS = {"equal": _check_cp_equal, "grad": _check_cp_grad}
+_KERNEL_SHIM = Path(__file__).parent / "kernels" / "triton_interpret.py"
+
+
+def _check_cp_equal_triton(rank: int) -> None:
+    """The same equality through the Triton kernels (interpreted on CPU): their scores must not
+    depend on which other keys are scored with them either."""
+    from hyscale_compile.runtime import dispatch
+
+    if not (dispatch.triton_available() and _KERNEL_SHIM.exists()):
+        raise _Skip("triton or the interpreter shim is not available")
+    with dispatch.force_backend("triton"):
+        _check_cp_equal(rank, _CP_CASES[:2])
+
+
+class _Skip(Exception):
+    pass
+
+
+_CP_CHECKS = {"equal": _check_cp_equal, "grad": _check_cp_grad, "triton": _check_cp_equal_triton}
+
+
+def _use_triton_interpreter() -> None:
+    """TRITON_INTERPRET must be set before any kernel module is imported (this is a fresh process)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    if _KERNEL_SHIM.exists():
+        sys.path.insert(0, str(_KERNEL_SHIM.parent))
+        import triton_interpret  # noqa: F401  (makes the interpreter's loop bounds work with new numpy)
 
 
 def _cp_worker(rank: int, port: int, out_dir: str) -> None:
-    """Both CP checks in one pair of processes (process start-up dominates at these sizes)."""
+    """All CP checks in one pair of processes (process start-up dominates at these sizes)."""
+    _use_triton_interpreter()
     _init(rank, port)
     result = {}
     try:
@@ -153,6 +182,8 @@ def _cp_worker(rank: int, port: int, out_dir: str) -> None:
             try:
                 check(rank)
                 result[name] = "ok"
+            except _Skip as e:
+                result[name] = f"skip: {e}"
             except Exception:  # reported by the check's own test; a rank-local failure may also
                 result[name] = traceback.format_exc()  # time out the other rank's collectives
     finally:
@@ -170,6 +201,13 @@ def cp_run(tmp_path_factory) -> list[dict]:
 def test_cp_selection_equals_single_process(cp_run: list[dict]) -> None:
     for rank, result in enumerate(cp_run):
         assert result["equal"] == "ok", f"rank {rank}:\n{result['equal']}"
+
+
+def test_cp_selection_equals_single_process_triton_kernels(cp_run: list[dict]) -> None:
+    for rank, result in enumerate(cp_run):
+        if result["triton"].startswith("skip: "):
+            pytest.skip(result["triton"][6:])
+        assert result["triton"] == "ok", f"rank {rank}:\n{result['triton']}"
 
 
 def test_cp_selection_gradients_match_single_process(cp_run: list[dict]) -> None:
