@@ -117,8 +117,9 @@ def _init_dist(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # Long timeout: rank 0 times the one-GPU baseline while the others wait at a barrier.
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    # Long enough for rank 0 to time the one-GPU baseline while the others wait at a barrier,
+    # short enough that a rank lost to an error does not hold the machine for long.
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=15))
 
 
 def make_inputs(args: argparse.Namespace, device: torch.device):
@@ -291,14 +292,50 @@ def run_cp(args: argparse.Namespace, res: Results, device: torch.device) -> None
         mine["overlap_equals_no_overlap"] = (torch.equal(out_plain[1], out_overlap[1])
                                              and _bits_equal(out_plain[0], out_overlap[0]))
     out_plain = out_overlap = None  # free them before the one-GPU baseline
+    if device.type == "cuda":
+        mine["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
     res.data["per_rank"] = per_rank
     res.save()
     if rank == 0:
         res.data["one_gpu"] = _one_device_baseline(args, q, kx, w, world, T, scale, device)
+        res.data["derived"] = _try(lambda: _derived(res.data))
         res.save()
     dist.barrier()
+
+
+def _med(x) -> float | None:
+    return x.get("median_s") if isinstance(x, dict) else None
+
+
+def _derived(data: dict) -> dict:
+    """Ratios that answer the issue's questions (None where a timing is missing).
+
+    cp_over_one_gpu_same_rows: a rank's CP call against one GPU doing that rank's rows (CP overhead).
+    overlap_gain_s: no-overlap minus overlap time (positive = overlap helps).
+    gather_share: the key gather's share of the no-overlap call (the most any overlap can hide).
+    speedup_vs_one_gpu_all_rows: one GPU doing every rank's rows against the slowest rank.
+    """
+    out: dict = {}
+    one = data.get("one_gpu", {})
+    slowest = None
+    for r in data.get("per_rank") or []:
+        rk = r["rank"]
+        plain, ov = _med(r.get("time_cp_no_overlap")), _med(r.get("time_cp_overlap"))
+        gather, same = _med(r.get("time_key_gather")), _med(one.get(f"rank{rk}_rows"))
+        out[f"rank{rk}"] = {
+            "cp_over_one_gpu_same_rows": plain / same if plain and same else None,
+            "overlap_gain_s": plain - ov if plain and ov else None,
+            "gather_share": gather / plain if gather and plain else None,
+        }
+        if plain:
+            slowest = max(slowest or 0.0, plain)
+    chunks = one.get("all_rows_in_rank_chunks_s")
+    single = _med(one.get("all_rows_one_call"))
+    out["speedup_vs_one_gpu_all_rows_in_chunks"] = chunks / slowest if chunks and slowest else None
+    out["speedup_vs_one_gpu_all_rows_one_call"] = single / slowest if single and slowest else None
+    return out
 
 
 def _one_device_baseline(args, q, kx, w, world: int, T: int, scale: float, device: torch.device) -> dict:
@@ -404,8 +441,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _summary(data: dict) -> dict:
     """The headline numbers (the JSON holds everything)."""
-    def med(x):
-        return x.get("median_s") if isinstance(x, dict) else None
+    med = _med
 
     s: dict = {"mode": data.get("mode"), "checks_passed": data.get("checks_passed"), "errors": len(data["errors"])}
     for r in data.get("per_rank") or []:
@@ -416,6 +452,8 @@ def _summary(data: dict) -> dict:
         s["one_gpu"] = {k: (med(v) if isinstance(v, dict) else v) for k, v in data["one_gpu"].items()}
     if "single" in data:
         s["single"] = {k: med(data["single"].get(k)) for k in ("time_select", "time_overlap_parts_no_comm")}
+    if "derived" in data:
+        s["derived"] = data["derived"]
     return s
 
 
