@@ -122,8 +122,9 @@ class _Capture(CustomGraphPass):
             "kinds": {n.name: _kind(n) for n in nodes},
             "outputs": [a.name for a in torch.fx.node.map_aggregate(out.args[0], lambda a: a)
                         if isinstance(a, torch.fx.Node)],
-            "max_numel": max([n.meta["val"].numel() for n in nodes
-                              if isinstance(n.meta.get("val"), torch.Tensor)] or [0]),
+            # Score tables are floating point; a bool [T, S] mask the user builds may stay (it is theirs).
+            "max_numel": max([n.meta["val"].numel() for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                              and n.meta["val"].is_floating_point()] or [0]),
         })
 
     def uuid(self):
@@ -167,10 +168,12 @@ def _project(graphs: list[dict]) -> str:
 
 
 @functools.cache
-def _run(loss: str, ckpt: str) -> dict:
+def _run(loss: str, ckpt: str, indexer: str = "hyscale") -> dict:
+    """One compiled run; indexer "dense" is the unmodified code, which the selection pass must rewrite."""
     counters.clear()
     cap = _Capture()
-    fn = torch.compile(_model(_hyscale_indexer, loss, ckpt), backend="hyscale",
+    user_indexer = _hyscale_indexer if indexer == "hyscale" else _dense_indexer
+    fn = torch.compile(_model(user_indexer, loss, ckpt), backend="hyscale",
                        options={"post_grad_custom_post_pass": cap, "fx_graph_cache": False})
     inputs = _inputs()
     with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -250,6 +253,20 @@ bw: rescore[MUST_RECOMPUTE], sparse_backward, rescore[MUST_RECOMPUTE], sparse_ba
 fw: select[MUST_SAVE]
 saved: indices x1, input x1, other
 bw: sparse_backward""")
+
+
+def test_unmodified_indexer_is_rewritten_and_replayed():
+    r = _run("gather", "ckpt", "dense")
+    assert r["counters"].get("selection_rewritten") == 1, r["counters"]
+    assert r["counters"].get("replay_applied") == 1 and r["counters"].get("replay_rescore_nodes") == 1
+    assert "hyscale::select" not in r["bw_ops"] and "hyscale::rescore" in r["bw_ops"]
+    _assert_close(r["out"], r["ref"])
+    for got, want in zip(r["grads"], r["ref_grads"]):
+        _assert_close(got, want)
+    fw = next(g for g in r["graphs"] if not g["bw"])
+    bw = next(g for g in r["graphs"] if g["bw"])
+    assert max(fw["max_numel"], bw["max_numel"]) < T * S, "the score table must be gone from both graphs"
+    assert _project(r["graphs"]) == _project(_run("gather", "ckpt")["graphs"])
 
 
 # ---------------------------------------------------------------------------------------------

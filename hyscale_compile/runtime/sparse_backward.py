@@ -70,6 +70,8 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
         # the same precision setting; only the tile shape differs.
         if PREC == "upcast":
             pre = tl.dot(qt.to(tl.float32), tl.trans(kg).to(tl.float32), input_precision="ieee") * scale
+        elif LOW_PREC:
+            pre = tl.dot(qt, tl.trans(kg), out_dtype=tl.float32) * scale
         else:
             pre = tl.dot(qt, tl.trans(kg), input_precision=PREC, out_dtype=tl.float32) * scale
         if RELU:
