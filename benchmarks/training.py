@@ -28,7 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H)
-MODES = ["eager", "inductor", "hyscale_noreplay", "hyscale"]
+MODES = ["hyscale", "inductor", "hyscale_noreplay", "eager"]  # most telling first when time is short
 MODE_KEYS = {"eager": "eager_ms", "inductor": "inductor_ms", "hyscale_noreplay": "hyscale_noreplay_ms",
              "hyscale": "hyscale_ms"}
 
@@ -106,7 +106,7 @@ def rescore_ms(inputs, k: int, iters: int, device: str) -> float:
         for _ in range(iters):
             torch.ops.hyscale.rescore(*args)
         _sync(device)
-    return (time.perf_counter() - t0) * 1e3 / iters
+    return round((time.perf_counter() - t0) * 1e3 / iters, 3)
 
 
 def sparse_backward_ms(inputs, k: int, iters: int, device: str) -> dict:
@@ -155,11 +155,18 @@ def run_mode(mode: str, shape, D: int, k: int, iters: int, device: str, dtype) -
         ms = time_steps(make_fn(mode, k), inputs, iters, device)
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         return round(ms, 3), peak
-    except Exception as e:  # noqa: BLE001  (an OOM anywhere, compile included, is a result)
-        if not _is_oom(e):
-            raise
+    except Exception as e:  # noqa: BLE001  (an OOM anywhere, compile included, is a result; so is a failure)
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-        return f"OOM at {peak / 2**30:.1f} GiB", peak
+        if _is_oom(e):
+            return f"OOM at {peak / 2**30:.1f} GiB", peak
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", None
+
+
+def _guard(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001  (a side measurement must not lose the row)
+        return f"error: {type(e).__name__}: {str(e)[:200]}"
 
 
 def main() -> None:
@@ -191,13 +198,14 @@ def main() -> None:
             print(f"T={T} S={S} H={H} {mode}: {row[MODE_KEYS[mode]]} ms, peak {peaks[mode]}", flush=True)
         inputs = make_inputs(T, S, H, D, k, device, dtype)
         hy = row.get("hyscale_ms")
-        row["rescore_ms"] = round(rescore_ms(inputs, k, args.iters, device), 3)
-        row["rescore_share"] = round(row["rescore_ms"] / hy, 4) if isinstance(hy, float) else None
+        row["rescore_ms"] = _guard(rescore_ms, inputs, k, args.iters, device)
+        rs = row["rescore_ms"]
+        row["rescore_share"] = round(rs / hy, 4) if isinstance(hy, float) and isinstance(rs, float) else None
         row["inductor_peak_bytes"] = peaks.get("inductor")
         row["hyscale_peak_bytes"] = peaks.get("hyscale")
         if device == "cuda" and not rows:
-            row["sparse_backward"] = sparse_backward_ms(inputs, k, args.iters, device)
-        del inputs
+            row["sparse_backward"] = _guard(sparse_backward_ms, inputs, k, args.iters, device)
+        inputs = None  # free the GPU before the next shape
         rows.append(row)
         print(json.dumps(row), flush=True)
         if not args.smoke:
