@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -169,6 +170,17 @@ def _guard(fn, *args):
         return f"error: {type(e).__name__}: {str(e)[:200]}"
 
 
+def ensure_backend() -> None:
+    """Make backend="hyscale" work from a source checkout too (installs register it by entry point)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    if "hyscale" not in torch._dynamo.list_backends(exclude_tags=()):
+        from hyscale_compile.backend import hyscale
+
+        torch._dynamo.register_backend(hyscale, name="hyscale")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, print only")
@@ -178,6 +190,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "training.json"))
     args = parser.parse_args()
+    ensure_backend()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     D, k = (16, 8) if args.smoke else (128, 2048)

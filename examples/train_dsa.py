@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +98,17 @@ class DSAModel(nn.Module):
         return lm + 0.1 * index_loss
 
 
+def ensure_backend() -> None:
+    """Make backend="hyscale" work from a source checkout too (installs register it by entry point)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    if "hyscale" not in torch._dynamo.list_backends(exclude_tags=()):
+        from hyscale_compile.backend import hyscale
+
+        torch._dynamo.register_backend(hyscale, name="hyscale")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -103,6 +116,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--backend", default="hyscale")
     args = parser.parse_args()
+    ensure_backend()
 
     torch.manual_seed(0)
     model = DSAModel().to(args.device)
