@@ -420,6 +420,32 @@ class NsaBlockSelection(nn.Module):
         return selected_block_indices
 
 
+class MiniMaxM3BlockMax(nn.Module):
+    """HF transformers ``MiniMaxM3VLIndexer``: per-head q.k scores (no ReLU, no head weights), future keys masked
+    with -inf, max-pooled into key blocks with ``view(..., num_key_blocks, block_size).amax(dim=-1)``, the query's
+    own block boosted with ``block_scores.scatter_(-1, local_idx, inf)``, one selection per indexer head, and
+    ``topk_indices.masked_fill(topk_scores == -inf, -1)``. Max-pooled block scores with an in-place boost are
+    not the indexer form: reject."""
+
+    block_size, topk_blocks = 3, 2
+
+    def forward(self, idx_q, idx_k, position_ids):
+        batch, heads, q_len, _ = idx_q.shape
+        k_len = idx_k.shape[2]
+        num_key_blocks = k_len // self.block_size
+        scores = torch.matmul(idx_q.float(), idx_k.float().transpose(-1, -2))  # [B, H, Sq, Sk]
+        k_positions = torch.arange(k_len, device=idx_q.device)
+        token_future = k_positions[None, None, None, :] > position_ids[:, None, :, None]
+        scores = scores.masked_fill(token_future, float("-inf"))
+        scores = scores.view(batch, heads, q_len, num_key_blocks, self.block_size)
+        block_scores = scores.amax(dim=-1)
+        q_block = position_ids // self.block_size
+        local_idx = q_block[..., None].unsqueeze(1).expand(-1, heads, -1, -1)
+        block_scores.scatter_(-1, local_idx, float("inf"))
+        topk_scores, topk_indices = block_scores.topk(min(self.topk_blocks, num_key_blocks), dim=-1)
+        return topk_indices.masked_fill(topk_scores == float("-inf"), -1)
+
+
 class DenseWarmupKL(nn.Module):
     """DeepSeek-V3.2 dense warm-up stage as Megatron-LM's ``compute_dsa_indexer_loss`` writes it: the indexer is
     trained with a KL divergence between the softmax of the *full* index-score row and the (detached, head-summed,
@@ -669,6 +695,12 @@ def nsa_block_selection(seed):
     return NsaBlockSelection(), (q, k), "reject"
 
 
+def minimax_m3_block_max(seed):
+    q, k, _ = _qkw(seed)
+    position_ids = torch.arange(T).expand(B, T)
+    return MiniMaxM3BlockMax(), (q.transpose(1, 2), k.unsqueeze(1), position_ids), "reject"
+
+
 def dense_warmup_kl(seed):
     q, k, w = _qkw(seed)
     gen = _gen(seed + 1)
@@ -721,6 +753,7 @@ SPELLINGS = {
     "glm5_next_kpool": glm5_next_kpool,
     "sort_instead_of_topk": sort_instead_of_topk,
     "nsa_block_selection": nsa_block_selection,
+    "minimax_m3_block_max": minimax_m3_block_max,
     "dense_warmup_kl": dense_warmup_kl,
     "several_sites": several_sites,
     "checkpointed_sites": checkpointed_sites,
