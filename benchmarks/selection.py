@@ -23,10 +23,18 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hyscale_compile.runtime import hytopk, stats  # noqa: E402
-from hyscale_compile.runtime.filter_kernels import MODE_FLOOR, MODE_TABLE, block_kernel, cdiv  # noqa: E402
+from hyscale_compile.runtime import (  # noqa: E402
+    hytopk,
+    stats,
+)
+from hyscale_compile.runtime.filter_kernels import (  # noqa: E402
+    MODE_COUNT,
+    MODE_FLOOR,
+    MODE_TABLE,
+    block_kernel,
+    cdiv,
+)
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
-from hyscale_compile.runtime.score_tile import BLOCK_S, BLOCK_T  # noqa: E402
 
 SHAPES = [  # T, S, H, k
     (4096, 131072, 64, 2048),
@@ -131,7 +139,7 @@ def guarded(fn, notes: list, name: str):
         return None
 
 
-def run_shape(T: int, S: int, H: int, k: int, mm: float, slow_baselines: bool) -> dict:
+def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: bool, stages: bool) -> dict:
     torch.manual_seed(0)
     q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
     kx = torch.randn(1, S, D, device="cuda", dtype=torch.bfloat16)
@@ -141,8 +149,8 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, slow_baselines: bool) -
     fill = float("-inf")
     notes: list[str] = []
     pb = hytopk._Problem(q, kx, w, scale, True, vis, fill)
-    split = max(1, min(cdiv(S, BLOCK_S), cdiv(hytopk._programs(q.device), pb.n_tblk)))
-    sink = torch.empty(pb.n_tblk * split * BLOCK_T, device="cuda", dtype=torch.float32)
+    split = max(1, min(cdiv(S, pb.tile.bs), cdiv(hytopk._programs(q.device), pb.n_tblk)))
+    sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device="cuda", dtype=torch.float32)
     floor_ms = bench(lambda: block_launch(pb, MODE_FLOOR, sink, split))
 
     def table_topk():
@@ -173,13 +181,19 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, slow_baselines: bool) -
     buffer_bytes = T * (cap + k) * 8
     output_bytes = T * k * 12
     eager_ms = compile_ms = None
-    if slow_baselines:
-        off = S - T
+    off = S - T
+    if eager:
         eager_ms = guarded(lambda: median_ms(lambda: eager_indexer(q, kx, w, k, scale, off), 3), notes, "eager")
         torch.cuda.empty_cache()
+    else:
+        notes.append("eager: not run (device-time budget)")
+    if compiled:
         compile_ms = guarded(lambda: median_ms(lambda: compiled_indexer(q, kx, w, k, scale, off), 3), notes,
                              "compile")
         torch.cuda.empty_cache()
+    else:
+        notes.append("compile: not run (device-time budget)")
+    stage = stage_times(hytopk._Problem(q, kx, w, scale, True, vis, fill), k) if stages else {}
     fl = useful_flops(T, S, H)
     row = dict(T=T, S=S, H=H, D=D, k=k, matmul_tflops=round(mm, 1), floor_tflops=round(fl / floor_ms / 1e9, 1),
                floor_ms=round(floor_ms, 3), table_topk_ms=None if table_ms is None else round(table_ms, 3),
@@ -188,9 +202,20 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, slow_baselines: bool) -
                hytopk_peak_extra_bytes=int(peak), rows_recovered=st.rows_recovered, fallbacks=st.fallbacks,
                hytopk_candidates_ms=round(cand_ms, 3), hytopk_over_floor=round(hy_ms / floor_ms, 3),
                mean_candidates=round(st.mean_candidates, 1), candidate_buffer_bytes=buffer_bytes,
-               output_bytes=output_bytes, notes=notes)
+               output_bytes=output_bytes, stages=stage, notes=notes)
     print(json.dumps(row), flush=True)
     return row
+
+
+def stage_times(pb, k: int) -> dict:
+    """HyTopK stage by stage: sample+threshold, filter, the filter's compare alone (no append), final topk."""
+    buf, thr = hytopk.sample_threshold(pb, k)
+    _, cap, _ = hytopk.sizes(k, pb.S)
+    sink = torch.empty(pb.n_tblk * pb.B * hytopk.filter_split(pb) * pb.tile.bt, device="cuda")
+    return dict(sample_threshold_ms=round(bench(lambda: hytopk.sample_threshold(pb, k)), 3),
+                filter_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap)), 3),
+                compare_only_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap, MODE_COUNT, sink)), 3),
+                topk_ms=round(bench(lambda: torch.topk(buf, k, dim=1)), 3))
 
 
 def markdown(res: dict) -> str:
@@ -209,12 +234,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--no-slow", action="store_true", help="skip the eager and torch.compile baselines")
+    ap.add_argument("--compile-shapes", default="all", help="'all' or indices of shapes that run torch.compile")
+    ap.add_argument("--stage-shapes", default="0,1", help="indices of shapes timed stage by stage")
     ap.add_argument("--shapes", default="all", help="'all' or comma-separated indices into SHAPES")
     args = ap.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     mm = matmul_tflops()
     print(f"bf16 matmul {mm:.0f} TFLOP/s", flush=True)
-    rows = [run_shape(T, S, H, k, mm, not args.no_slow) for T, S, H, k in shapes]
+    comp = set(range(len(shapes))) if args.compile_shapes == "all" else {int(i) for i in args.compile_shapes.split(",")}
+    stg = {int(i) for i in args.stage_shapes.split(",") if i}
+    rows = [run_shape(T, S, H, k, mm, not args.no_slow, not args.no_slow and n in comp, n in stg)
+            for n, (T, S, H, k) in enumerate(shapes)]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(__file__)).stdout.strip() or None

@@ -16,6 +16,7 @@ from .score_tile import composite, order_key, score_tile, tile_values
 MODE_FLOOR = 0
 MODE_TABLE = 1
 MODE_FILTER = 2
+MODE_COUNT = 3
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
     w_rows = b * swb + rows_t * swt
     kx_b = kx_ptr + b * skb
     rows_b = rows_t * 0 + b
-    if MODE == 2:  # FILTER
+    if MODE >= 2:  # FILTER (and COUNT)
         thr = tl.load(thr_ptr + rid, mask=row_ok, other=0)
     sink = tl.zeros((BT,), dtype=tl.float32)
     for tile in range(tile0 + split, tile1, SPLIT):
@@ -71,8 +72,11 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
             else:
                 key = order_key(val)
                 passed = in_range & (key >= thr[:, None])
-                _append(cnt_ptr, out_ptr, rid, row_ok, passed, composite(key, cols[None, :]), C, out_stride)
-    if MODE == 0:
+                if MODE == 3:  # COUNT: the compare without the append (a benchmark diagnostic)
+                    sink += tl.sum(passed.to(tl.float32), axis=1)
+                else:
+                    _append(cnt_ptr, out_ptr, rid, row_ok, passed, composite(key, cols[None, :]), C, out_stride)
+    if (MODE == 0) or (MODE == 3):
         pid = (tl.program_id(1) * tl.num_programs(0) + pid_t) * SPLIT + split
         tl.store(out_ptr + pid.to(tl.int64) * BT + tl.arange(0, BT), sink)
 

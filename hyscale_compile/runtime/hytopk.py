@@ -15,6 +15,7 @@ entry of its range that ties or beats the threshold, plus its k lowest out-of-ra
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -22,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import stats
+from . import score_tile, stats
 from .filter_kernels import MODE_FILTER, block_kernel, cdiv, rescore_kernel, sample_kernel, threshold_kernel
 from .reference import Visibility, order_key
-from .score_tile import BLOCK_S, BLOCK_T, NUM_STAGES, NUM_WARPS, block_d
+from .score_tile import block_d
 from .select_kernels import PASSES, recover_kernel
 
 
@@ -129,13 +130,15 @@ class _Problem:
         self.wt = wt
         self.scale, self.fill = float(scale), float(fill)
         self.strides = (*self.q.stride()[:3], *self.kx.stride()[:2], *wstr, *mstr, *bstr)
-        self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=BLOCK_T, BS=BLOCK_S, RELU=bool(relu),
+        self.tile = tile = dataclasses.replace(score_tile.TILE)
+        self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=tile.bt, BS=tile.bs, RELU=bool(relu),
                            HAS_W=self.w is not None, PREC=_precision(self.q.dtype),
                            HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)
-        self.n_tblk = cdiv(self.T, BLOCK_T)
+        self.n_tblk = cdiv(self.T, tile.bt)
 
     def launch(self, kernel, grid, *args, **extra):
-        kernel[grid](*args, *self.strides, **self.consts, **extra, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        kernel[grid](*args, *self.strides, **self.consts, **extra, num_warps=self.tile.warps,
+                     num_stages=self.tile.stages)
 
 
 def fill_key(fill: float) -> int:
@@ -158,15 +161,29 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
         return (torch.empty(B, T, k, dtype=torch.float32, device=q.device),
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
-    buf, cnt, cap = candidates(pb, k)
+    buf = candidates(pb, k)
     comp = torch.topk(buf, k, dim=1, largest=True, sorted=True).values
+    del buf  # decode's temporaries reuse the buffer's memory
     values, indices = decode(comp)
-    del buf, cnt, cap
     return values.view(B, T, k), indices.view(B, T, k)
 
 
-def candidates(pb: _Problem, k: int) -> tuple[Tensor, Tensor, int]:
+def candidates(pb: _Problem, k: int) -> Tensor:
     """Row buffers [R, C + k] of composites that contain each row's exact top k (all stages but the last)."""
+    R = pb.B * pb.T
+    buf, thr = sample_threshold(pb, k)
+    _, cap, _ = sizes(k, pb.S)
+    cnt = filter_rows(pb, thr, buf, cap)
+    n_out = (pb.S - (pb.hi - pb.lo)).view(R)
+    ext = torch.where(thr.long() <= fill_key(pb.fill), n_out.clamp(max=k), torch.zeros_like(n_out))
+    flag = (cnt > cap) | (cnt.long() + ext < k)
+    _recover(pb, k, flag, buf, buf.shape[1])
+    stats.record(pb.device, R, flag.sum(), cnt.clamp(max=cap).sum())
+    return buf
+
+
+def sample_threshold(pb: _Problem, k: int) -> tuple[Tensor, Tensor]:
+    """(row buffers reset to sentinels with the out-of-range extras in place, int32 row thresholds)."""
     B, T, S = pb.B, pb.T, pb.S
     R = B * T
     target, cap, M = sizes(k, S)
@@ -176,25 +193,30 @@ def candidates(pb: _Problem, k: int) -> tuple[Tensor, Tensor, int]:
     samp = buf.view(torch.int32)  # samples live in the row's own slots until the threshold is taken
     msamp = torch.zeros(R, dtype=torch.int32, device=dev)
     thr = torch.empty(R, dtype=torch.int32, device=dev)
-    cnt = torch.zeros(R, dtype=torch.int32, device=dev)
-    fk = fill_key(pb.fill)
     sampled = S > cap
-    common = (pb.q, pb.kx, pb.wt)
     if sampled:
-        pb.launch(sample_kernel, (pb.n_tblk, B), *common, pb.lo, pb.hi, samp, msamp, pb.mask, pb.bias,
+        pb.launch(sample_kernel, (pb.n_tblk, B), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask, pb.bias,
                   T, S, pb.H, pb.scale, pb.fill, M, 2 * width)
     mb = max(16, 1 << max(0, (M - 1).bit_length()))
-    threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, S, k, cap, target, M, 2 * width, width, fk,
-                           SAMPLED=sampled, MB=mb, EB=1024, num_warps=8)
-    split = max(1, min(cdiv(S, BLOCK_S), cdiv(_programs(dev), pb.n_tblk * B)))
-    pb.launch(block_kernel, (pb.n_tblk, B, split), *common, pb.lo, pb.hi, thr, cnt, buf, pb.mask, pb.bias,
-              T, S, pb.H, pb.scale, pb.fill, cap, width, split, MODE=MODE_FILTER)
-    n_out = (S - (pb.hi - pb.lo)).view(R)
-    ext = torch.where(thr.long() <= fk, n_out.clamp(max=k), torch.zeros_like(n_out))
-    flag = (cnt > cap) | (cnt.long() + ext < k)
-    _recover(pb, k, flag, buf, width)
-    stats.record(dev, R, flag.sum(), cnt.clamp(max=cap).sum())
-    return buf, cnt, cap
+    threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, S, k, cap, target, M, 2 * width, width,
+                           fill_key(pb.fill), SAMPLED=sampled, MB=mb, EB=1024, num_warps=8)
+    return buf, thr
+
+
+def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MODE_FILTER,
+                out: Tensor | None = None) -> Tensor:
+    """Append every in-range entry >= its row threshold to the row buffer; returns the row counts."""
+    cnt = torch.zeros(pb.B * pb.T, dtype=torch.int32, device=pb.device)
+    split = filter_split(pb)
+    pb.launch(block_kernel, (pb.n_tblk, pb.B, split), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, thr, cnt,
+              buf if out is None else out, pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, cap,
+              buf.shape[1], split, MODE=mode)
+    return cnt
+
+
+def filter_split(pb: _Problem) -> int:
+    """Key splits per query block, so the grid fills the device."""
+    return max(1, min(cdiv(pb.S, pb.tile.bs), cdiv(_programs(pb.device), pb.n_tblk * pb.B)))
 
 
 def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> None:
@@ -207,8 +229,8 @@ def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> Non
     rows.scatter_(0, torch.where(flag, rank, R), torch.arange(R, device=dev))
     counts = torch.zeros(PASSES, R, 16, dtype=torch.int32, device=dev)
     ecnt = torch.zeros(R, dtype=torch.int32, device=dev)
-    split = max(1, min(cdiv(pb.S, BLOCK_S), _programs(dev) // 2))
-    items = cdiv(R, BLOCK_T) * split
+    split = max(1, min(cdiv(pb.S, pb.tile.bs), _programs(dev) // 2))
+    items = cdiv(R, pb.tile.bt) * split
     nprog = max(1, min(items, _programs(dev)))
     per_prog = cdiv(items, nprog)
     fk = fill_key(pb.fill)
@@ -228,7 +250,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
         return out
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
     idx = indices.to(torch.int64).contiguous()
-    pb.launch(rescore_kernel, (pb.n_tblk, B, cdiv(K, BLOCK_S)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out,
+    pb.launch(rescore_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out,
               pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
     return out
 

@@ -12,14 +12,23 @@ reference does, and ``order_key`` / ``composite`` give the integer orders the se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
-# Tile shape and warps shared by every kernel that calls score_tile (same shape => same MMA => same bits).
-BLOCK_T = 64
-BLOCK_S = 128
-NUM_WARPS = 4
-NUM_STAGES = 3
+
+@dataclass
+class TileConfig:
+    """Tile shape and warps shared by every kernel of one call (same shape => same MMA => same bits)."""
+
+    bt: int = 64  # query rows per tile
+    bs: int = 128  # keys per tile
+    warps: int = 4
+    stages: int = 3
+
+
+TILE = TileConfig()  # read at each call; change it only between calls (benchmarks sweep it)
 
 INT32_MIN = -(2**31)
 INT64_MIN = -(2**63)
