@@ -79,15 +79,16 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class KeyGather:
     """An in-flight key gather (from ``start_key_gather``): the output buffer and the work to wait on."""
 
-    def __init__(self, kx_local: Tensor, buf: Tensor, work: dist.Work | None,
+    def __init__(self, kx_local: Tensor, send: Tensor, buf: Tensor, work: dist.Work | None,
                  group: dist.ProcessGroup | None) -> None:
         self.kx_local, self.buf, self.work, self.group = kx_local, buf, work, group
+        self.send = send  # keep the send buffer alive until the gather has landed
 
     def wait(self) -> Tensor:
         """Block until the gather lands; returns the keys of all ranks as [B, world*S_local, D]."""
         if self.work is not None:
             self.work.wait()
-            self.work = None
+            self.work, self.send = None, None
         # buf is [world*S_local, B, D] (gathered along dim 0); for B == 1 the transpose is free.
         return self.buf.transpose(0, 1)
 
@@ -99,7 +100,7 @@ def _start_gather(kx_local: Tensor, group: dist.ProcessGroup | None, async_op: b
     send = kx_local.detach().transpose(0, 1).contiguous()
     buf = send.new_empty((world * S_local, B, D))
     work = _all_gather(buf, send, group=group, async_op=async_op)
-    return KeyGather(kx_local, buf, work if async_op else None, group)
+    return KeyGather(kx_local, send, buf, work if async_op else None, group)
 
 
 class _AttachKeyGrad(torch.autograd.Function):
