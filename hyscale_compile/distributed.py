@@ -8,6 +8,11 @@ all-gathers them and runs selection with its global ``query_offset = r*T``:
 
     values, indices = cp_indexer_topk(q_local, kx_local, k, weights=w_local, scale=s)
 
+Causal work grows with the position, so with contiguous chunks the last rank does the most
+(with 2 ranks, rank 1 scores 3x the key-query pairs of rank 0). ``layout="zigzag"`` balances it:
+the sequence is cut into 2*world chunks of c = T/2 and rank r holds chunks r and 2*world-1-r
+(queries and keys alike); every rank then scores the same number of pairs.
+
 ``indices`` are global key positions; each row equals the single-process result for that row
 (indices identical, values bitwise) because the score of (t, s) does not depend on which other
 keys are scored with it (the operator contract's "one arithmetic").
@@ -57,15 +62,42 @@ def query_offset(local_len: int, group: dist.ProcessGroup | None = None) -> int:
     return rank * local_len
 
 
-def global_positions(local_len: int, group: dist.ProcessGroup | None = None,
-                     device: torch.device | str | None = None) -> Tensor:
-    """Global positions [rank*T, (rank+1)*T) of this rank's chunk, as an int64 tensor.
+_LAYOUTS = ("contiguous", "zigzag")
 
-    Handy for building masks from global positions in plain PyTorch, e.g.
-    ``torch.arange(S)[None] <= global_positions(T)[:, None]`` (the pass reads it as causal with offset).
+
+def _segments(rank: int, world: int, local_len: int, layout: str) -> list[tuple[int, int, int]]:
+    """This rank's rows as (local start, global start, length) runs of consecutive positions."""
+    if layout == "contiguous":
+        return [(0, rank * local_len, local_len)]
+    if layout == "zigzag":
+        if local_len % 2:
+            raise ValueError(f"zigzag layout needs an even number of local tokens, got {local_len}")
+        c = local_len // 2
+        return [(0, rank * c, c), (c, (2 * world - 1 - rank) * c, c)]
+    raise ValueError(f"unknown layout {layout!r}; expected one of {_LAYOUTS}")
+
+
+def global_positions(local_len: int, group: dist.ProcessGroup | None = None,
+                     device: torch.device | str | None = None, layout: str = "contiguous") -> Tensor:
+    """Global positions of this rank's ``local_len`` tokens, as an int64 tensor.
+
+    contiguous: [rank*T, (rank+1)*T); zigzag: chunks rank and 2*world-1-rank of length T/2.
+    Handy for sharding inputs (``x[:, global_positions(T, layout=...)]``) and for building masks
+    from global positions in plain PyTorch, e.g. ``torch.arange(S)[None] <= global_positions(T)[:, None]``.
     """
-    start = query_offset(local_len, group)
-    return torch.arange(start, start + local_len, device=device, dtype=torch.int64)
+    rank, world = _rank_world(group)
+    return torch.cat([torch.arange(g, g + n, device=device, dtype=torch.int64)
+                      for _, g, n in _segments(rank, world, local_len, layout)])
+
+
+def _to_global_order(gathered: Tensor, world: int, layout: str) -> Tensor:
+    """Gathered keys (rank order) -> global position order. Differentiable (a flip and a concat)."""
+    if layout == "contiguous":
+        return gathered
+    B, S, D = gathered.shape
+    halves = gathered.reshape(B, world, 2, S // (2 * world), D)
+    # Chunk j < world is rank j's first half; chunk j >= world is rank 2*world-1-j's second half.
+    return torch.cat([halves[:, :, 0], halves[:, :, 1].flip(1)], dim=1).reshape(B, S, D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +231,7 @@ def _can_overlap(rank: int, T: int, S_local: int, k: int) -> bool:
 
 def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.ProcessGroup | None = None, *,
                     weights: Tensor | None = None, scale: float = 1.0, relu: bool = True,
-                    keys: KeyGather | None = None, overlap: bool = False,
+                    keys: KeyGather | None = None, overlap: bool = False, layout: str = "contiguous",
                     sorted: bool = True) -> tuple[Tensor, Tensor]:
     """Causal indexer top-k for this rank's query chunk under context parallelism.
 
@@ -209,9 +241,14 @@ def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.Proce
     global indices int64 [B, T, k]), equal to rows [rank*T, (rank+1)*T) of the single-process
     ``indexer_topk(q, kx, k, query_offset=0, ...)``.
     keys: a gather already issued with ``start_key_gather(kx_local)`` (else one is issued here).
-    overlap: select over the own keys while the gather is in flight, then merge (see the module notes).
+    overlap: select over the own keys while the gather is in flight, then merge (see the module notes;
+    contiguous layout only).
+    layout: "contiguous" as above, or "zigzag" (load-balanced): q_local and kx_local hold the rows of
+    ``global_positions(T, layout="zigzag")``, and so do the returned rows.
     ``sorted=False`` is honoured only on the non-overlapped path (the merge always sorts).
     """
+    if layout != "contiguous":
+        return _cp_select_segments(q_local, kx_local, k, group, weights, scale, relu, keys, layout, sorted)
     rank, world = _rank_world(group)
     T, S_local = q_local.shape[1], kx_local.shape[1]
     S = world * S_local
@@ -238,3 +275,30 @@ def cp_indexer_topk(q_local: Tensor, kx_local: Tensor, k: int, group: dist.Proce
     v_low, i_low = indexer_topk(q_local, before, min(k, before.shape[1]), query_offset=offset, **kw)
     # Lower ranks' positions all precede this rank's: the cheap ordered merge applies.
     return merge_topk(v_low, i_low, v_own, i_own + rank * S_local, k, ordered=True)
+
+
+def _cp_select_segments(q_local: Tensor, kx_local: Tensor, k: int, group, weights: Tensor | None, scale: float,
+                        relu: bool, keys: KeyGather | None, layout: str, sorted: bool) -> tuple[Tensor, Tensor]:
+    """Any layout: one selection per run of consecutive positions, over the keys in global order."""
+    rank, world = _rank_world(group)
+    T, S_local = q_local.shape[1], kx_local.shape[1]
+    if S_local != T:
+        raise ValueError(f"cp_indexer_topk: layout={layout!r} needs keys sharded like queries (S_local == T), "
+                         f"got S_local={S_local}, T={T}")
+    S = world * S_local
+    torch._check(k <= S, lambda: f"cp_indexer_topk: k={k} is larger than the number of keys S={S}")
+    if keys is not None and keys.kx_local is not kx_local:
+        raise ValueError("cp_indexer_topk: keys= must come from start_key_gather(kx_local) of this kx_local")
+    pending = keys if keys is not None else start_key_gather(kx_local, group)
+    ordered = _to_global_order(_with_grad(kx_local, pending.wait(), group), world, layout)
+    values, indices = [], []
+    for local, first, n in _segments(rank, world, T, layout):
+        rows = slice(local, local + n)
+        w = weights[:, rows] if weights is not None else None
+        # Keys up to the run's last query (and at least k, for rows short of visible keys).
+        visible = ordered[:, :min(S, max(first + n, k))]
+        v, i = indexer_topk(q_local[:, rows], visible, k, weights=w, scale=scale, relu=relu,
+                            query_offset=first, sorted=sorted)
+        values.append(v)
+        indices.append(i)
+    return torch.cat(values, dim=1), torch.cat(indices, dim=1)

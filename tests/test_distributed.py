@@ -109,20 +109,25 @@ def _check_cp_equal(rank: int, cases: list = _CP_CASES) -> None:
         rows = slice(rank * T, (rank + 1) * T)
         assert query_offset(T) == rank * T
         assert torch.equal(global_positions(T), torch.arange(L)[rows])
-        for mode in ("plain", "overlap", "prestarted"):
-            kx_local = kx[:, rows].contiguous()
+        c = T // 2  # zigzag: chunks rank and 2*world-1-rank
+        zigzag = [*range(rank * c, rank * c + c), *range((2 * WORLD - 1 - rank) * c, (2 * WORLD - rank) * c)]
+        assert global_positions(T, layout="zigzag").tolist() == zigzag
+        for mode in ("plain", "overlap", "prestarted", "zigzag"):
+            layout = "zigzag" if mode == "zigzag" else "contiguous"
+            mine = global_positions(T, layout=layout)  # this rank's rows, queries and keys alike
+            kx_local = kx[:, mine].contiguous()
             # "prestarted": the gather is issued before the rest of the indexer's work, as a model would.
             keys = start_key_gather(kx_local) if mode == "prestarted" else None
-            v, i = cp_indexer_topk(q[:, rows].contiguous(), kx_local, k, weights=w[:, rows].contiguous(),
-                                   scale=0.5, overlap=mode == "overlap", keys=keys)
+            v, i = cp_indexer_topk(q[:, mine].contiguous(), kx_local, k, weights=w[:, mine].contiguous(),
+                                   scale=0.5, overlap=mode == "overlap", keys=keys, layout=layout)
             case = f"rank {rank} B={B} L={L} k={k} {dtype} {mode}"
-            assert torch.equal(i, ref_i[:, rows]), f"{case}: indices differ"
-            assert torch.equal(_bits(v), _bits(ref_v[:, rows])), f"{case}: values differ bitwise"
+            assert torch.equal(i, ref_i[:, mine]), f"{case}: indices differ"
+            assert torch.equal(_bits(v), _bits(ref_v[:, mine])), f"{case}: values differ bitwise"
 
 
 def _check_cp_grad(rank: int) -> None:
     from hyscale_compile import indexer_topk
-    from hyscale_compile.distributed import cp_indexer_topk
+    from hyscale_compile.distributed import cp_indexer_topk, global_positions
 
     B, L, H, D, k = 1, 32, 2, 8, 4
     q, kx, w = _cp_inputs(B, L, H, D, torch.float32)
@@ -131,15 +136,16 @@ def _check_cp_grad(rank: int) -> None:
     ref_v, _ = indexer_topk(qa, kxa, k, weights=wa, query_offset=0)
     ref_v.backward(g)
     T = L // WORLD
-    rows = slice(rank * T, (rank + 1) * T)
-    for overlap in (False, True):
+    for mode in ("plain", "overlap", "zigzag"):
+        layout = "zigzag" if mode == "zigzag" else "contiguous"
+        rows = global_positions(T, layout=layout)
         ql, kl, wl = (t[:, rows].clone().requires_grad_() for t in (q, kx, w))
-        v, _ = cp_indexer_topk(ql, kl, k, weights=wl, overlap=overlap)
+        v, _ = cp_indexer_topk(ql, kl, k, weights=wl, overlap=mode == "overlap", layout=layout)
         v.backward(g[:, rows])
         # Gradients of kx sum contributions of both ranks (reduce-scatter): equal up to rounding.
         for name, got, ref in (("q", ql.grad, qa.grad[:, rows]), ("kx", kl.grad, kxa.grad[:, rows]),
                                ("w", wl.grad, wa.grad[:, rows])):
-            where = f"rank {rank} d{name} overlap={overlap}"
+            where = f"rank {rank} d{name} {mode}"
             torch.testing.assert_close(got, ref, msg=lambda m, where=where: f"{where}: {m}")
 
 
