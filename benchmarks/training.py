@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -163,6 +164,21 @@ def run_mode(mode: str, shape, D: int, k: int, iters: int, device: str, dtype) -
         return f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", None
 
 
+def profile_step(shape, D: int, k: int, device: str, dtype) -> None:
+    """Where a hyscale step's device time goes: the top operators of one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = make_inputs(*shape, D, k, device, dtype)
+    fn = make_fn("hyscale", k)
+    time_steps(fn, inputs, 1, device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn(*inputs).backward()
+        _sync(device)
+    key = "device_time_total" if device == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
 def _guard(fn, *args):
     try:
         return fn(*args)
@@ -188,6 +204,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of the issue's shapes")
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
+    parser.add_argument("--profile", action="store_true", help="profile one hyscale step of the first shape")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "training.json"))
     args = parser.parse_args()
     ensure_backend()
@@ -197,6 +214,9 @@ def main() -> None:
     shapes = [(32, 128, 2)] if args.smoke else SHAPES[: args.shapes]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     modes = args.modes.split(",")
+    if args.profile:
+        profile_step(shapes[0], D, k, device, dtype)
+        return
     start = time.perf_counter()
     rows = []
     for shape in shapes:
@@ -228,8 +248,10 @@ def main() -> None:
 def _write(path: str, device: str, rows: list[dict]) -> None:
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    # A copy of the tree without .git (a remote device) names its commit through the environment.
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    commit = os.environ.get("HYSCALE_COMMIT") or subprocess.run(
+        git, capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     doc = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
            "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit, "rows": rows}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
