@@ -10,6 +10,8 @@ Every time is a median of CUDA-event timings. Writes results/selection.json and 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import datetime
 import json
 import math
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hyscale_compile.runtime import (  # noqa: E402
     hytopk,
+    score_tile,
     stats,
 )
 from hyscale_compile.runtime.filter_kernels import (  # noqa: E402
@@ -193,7 +196,7 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
         torch.cuda.empty_cache()
     else:
         notes.append("compile: not run (device-time budget)")
-    stage = stage_times(hytopk._Problem(q, kx, w, scale, True, vis, fill), k) if stages else {}
+    stage = stage_times(hytopk._Problem(q, kx, w, scale, True, vis, fill), k, hy) if stages else {}
     fl = useful_flops(T, S, H)
     row = dict(T=T, S=S, H=H, D=D, k=k, matmul_tflops=round(mm, 1), floor_tflops=round(fl / floor_ms / 1e9, 1),
                floor_ms=round(floor_ms, 3), table_topk_ms=None if table_ms is None else round(table_ms, 3),
@@ -207,15 +210,52 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
     return row
 
 
-def stage_times(pb, k: int) -> dict:
-    """HyTopK stage by stage: sample+threshold, filter, the filter's compare alone (no append), final topk."""
+def stage_times(pb, k: int, select) -> dict:
+    """HyTopK stage by stage: sample+threshold, filter, the filter's compare alone (no append), final topk;
+    and the filter and whole select with the matmul running count (TileConfig.prefix_dot)."""
     buf, thr = hytopk.sample_threshold(pb, k)
     _, cap, _ = hytopk.sizes(k, pb.S)
     sink = torch.empty(pb.n_tblk * pb.B * hytopk.filter_split(pb) * pb.tile.bt, device="cuda")
-    return dict(sample_threshold_ms=round(bench(lambda: hytopk.sample_threshold(pb, k)), 3),
-                filter_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap)), 3),
-                compare_only_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap, MODE_COUNT, sink)), 3),
-                topk_ms=round(bench(lambda: torch.topk(buf, k, dim=1)), 3))
+    pb_dot = copy.copy(pb)
+    pb_dot.tile = dataclasses.replace(pb.tile, prefix_dot=True)
+    out = dict(sample_threshold_ms=round(bench(lambda: hytopk.sample_threshold(pb, k)), 3),
+               filter_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap)), 3),
+               compare_only_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap, MODE_COUNT, sink)), 3),
+               filter_prefix_dot_ms=round(bench(lambda: hytopk.filter_rows(pb_dot, thr, buf, cap)), 3),
+               topk_ms=round(bench(lambda: torch.topk(buf, k, dim=1)), 3))
+    old = score_tile.TILE
+    score_tile.TILE = dataclasses.replace(old, prefix_dot=True)
+    try:
+        ref = select()
+        out["hytopk_prefix_dot_ms"] = round(bench(select), 3)
+    finally:
+        score_tile.TILE = old
+    base = select()
+    out["prefix_dot_same_bits"] = bool(torch.equal(base[1], ref[1]) and
+                                          torch.equal(base[0].view(torch.int32), ref[0].view(torch.int32)))
+    return out
+
+
+def floor_sweep(T: int, S: int, H: int, configs) -> list:
+    """Floor time of other tile shapes at one size (the filter would share the chosen one)."""
+    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    kx = torch.randn(1, S, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1, T, H, device="cuda", dtype=torch.float32)
+    vis = Visibility(causal=True, offset=S - T)
+    out, old = [], score_tile.TILE
+    try:
+        for bt, bs, warps, stages in configs:
+            score_tile.TILE = score_tile.TileConfig(bt=bt, bs=bs, warps=warps, stages=stages)
+            pb = hytopk._Problem(q, kx, w, D**-0.5, True, vis, float("-inf"))
+            split = max(1, min(cdiv(S, bs), cdiv(hytopk._programs(q.device), pb.n_tblk)))
+            sink = torch.empty(pb.n_tblk * split * bt, device="cuda")
+            ms = bench(lambda pb=pb, sink=sink, split=split: block_launch(pb, MODE_FLOOR, sink, split))
+            out.append(dict(T=T, S=S, H=H, bt=bt, bs=bs, warps=warps, stages=stages, floor_ms=round(ms, 3),
+                            floor_tflops=round(useful_flops(T, S, H) / ms / 1e9, 1)))
+            print(json.dumps(out[-1]), flush=True)
+    finally:
+        score_tile.TILE = old
+    return out
 
 
 def markdown(res: dict) -> str:
@@ -236,6 +276,7 @@ def main() -> None:
     ap.add_argument("--no-slow", action="store_true", help="skip the eager and torch.compile baselines")
     ap.add_argument("--compile-shapes", default="all", help="'all' or indices of shapes that run torch.compile")
     ap.add_argument("--stage-shapes", default="0,1", help="indices of shapes timed stage by stage")
+    ap.add_argument("--sweep", default="128x128x8x3,64x256x8x3", help="floor tile configs bt x bs x warps x stages")
     ap.add_argument("--shapes", default="all", help="'all' or comma-separated indices into SHAPES")
     args = ap.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
@@ -245,13 +286,16 @@ def main() -> None:
     stg = {int(i) for i in args.stage_shapes.split(",") if i}
     rows = [run_shape(T, S, H, k, mm, not args.no_slow, not args.no_slow and n in comp, n in stg)
             for n, (T, S, H, k) in enumerate(shapes)]
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.sweep.split(",") if c]
+    sweep = floor_sweep(4096, 131072, 16, configs) if configs else []
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(__file__)).stdout.strip() or None
     except OSError:
         commit = None
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               date=datetime.date.today().isoformat(), commit=commit, rows=rows)
+               date=datetime.date.today().isoformat(), commit=commit, rows=rows, floor_sweep=sweep,
+               tile=dataclasses.asdict(score_tile.TILE))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "selection.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -38,7 +38,8 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
                  sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                  RELU: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr):
+                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
+                 PREFIX_DOT: tl.constexpr = False):
     """FILTER: append (value, position) composites passing the row threshold to the row's buffer."""
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -56,6 +57,8 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
     if MODE >= 2:  # FILTER (and COUNT)
         thr = tl.load(thr_ptr + rid, mask=row_ok, other=0)
     sink = tl.zeros((BT,), dtype=tl.float32)
+    # upper[c', c] = 1 for c' <= c: passed @ upper is each row's inclusive running count (exact integers)
+    upper = (tl.arange(0, BS)[:, None] <= tl.arange(0, BS)[None, :]).to(tl.float16)
     for tile in range(tile0 + split, tile1, SPLIT):
         cols = tile * BS + tl.arange(0, BS).to(tl.int64)
         col_ok = cols < S
@@ -74,6 +77,9 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
                 passed = in_range & (key >= thr[:, None])
                 if MODE == 3:  # COUNT: the compare without the append (a benchmark diagnostic)
                     sink += tl.sum(passed.to(tl.float32), axis=1)
+                elif PREFIX_DOT:
+                    _append_dot(cnt_ptr, out_ptr, rid, row_ok, passed, composite(key, cols[None, :]), C, out_stride,
+                                upper)
                 else:
                     _append(cnt_ptr, out_ptr, rid, row_ok, passed, composite(key, cols[None, :]), C, out_stride)
     if (MODE == 0) or (MODE == 3):
@@ -91,6 +97,18 @@ def _append(cnt_ptr, buf_ptr, rid, row_ok, passed, comp, C, stride):
     n = tl.sum(pi, axis=1)
     base = tl.atomic_add(cnt_ptr + rid, n, mask=row_ok & (n > 0))
     slot = base[:, None] + tl.cumsum(pi, axis=1) - pi
+    tl.store(buf_ptr + rid[:, None] * stride + slot, comp, mask=passed & (slot < C))
+
+
+@triton.jit
+def _append_dot(cnt_ptr, buf_ptr, rid, row_ok, passed, comp, C, stride, upper):
+    """_append with the running count from one small matmul, which stays in the score tile's layout."""
+    pf = passed.to(tl.float16)
+    incl = tl.dot(pf, upper, out_dtype=tl.float32).to(tl.int32)
+    pi = passed.to(tl.int32)
+    n = tl.sum(pi, axis=1)
+    base = tl.atomic_add(cnt_ptr + rid, n, mask=row_ok & (n > 0))
+    slot = base[:, None] + incl - pi
     tl.store(buf_ptr + rid[:, None] * stride + slot, comp, mask=passed & (slot < C))
 
 

@@ -210,7 +210,7 @@ def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MO
     split = filter_split(pb)
     pb.launch(block_kernel, (pb.n_tblk, pb.B, split), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, thr, cnt,
               buf if out is None else out, pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, cap,
-              buf.shape[1], split, MODE=mode)
+              buf.shape[1], split, MODE=mode, PREFIX_DOT=pb.tile.prefix_dot)
     return cnt
 
 

@@ -26,6 +26,7 @@ class TileConfig:
     bs: int = 128  # keys per tile
     warps: int = 4
     stages: int = 3
+    prefix_dot: bool = False  # filter: running counts by a small matmul instead of a scan (see _append_dot)
 
 
 TILE = TileConfig()  # read at each call; change it only between calls (benchmarks sweep it)

@@ -8,12 +8,13 @@ sampled threshold, overflowing buffers, too-few candidates, and more than 64 fla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from hyscale_compile.runtime import dispatch, hytopk, reference, stats
+from hyscale_compile.runtime import dispatch, hytopk, reference, score_tile, stats
 from hyscale_compile.runtime.reference import Visibility
 from hyscale_compile.testing import assert_same_topk
 
@@ -147,6 +148,18 @@ def test_sampled_threshold_exact():
         check(q, kx, w, 8, vis=Visibility(causal=True, offset=122))
     s = stats.read()
     assert s.rows == 6 and s.rows_recovered <= 1 and 8 <= s.mean_candidates <= 64
+
+
+def test_prefix_by_matmul_append():
+    """The filter's alternative append (running counts from a matmul) gives the same exact result."""
+    q, kx, w = inputs(B=1, T=6, S=128, seed=15)
+    old = score_tile.TILE
+    score_tile.TILE = dataclasses.replace(old, prefix_dot=True)
+    try:
+        with knobs(capacity=64, target=40, samples=64):
+            check(q, kx, w, 8, vis=Visibility(causal=True, offset=122))
+    finally:
+        score_tile.TILE = old
 
 
 @pytest.mark.parametrize("case", ["overflow", "too_few"])
