@@ -42,7 +42,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from hyscale_compile import indexer_topk  # noqa: E402
-from hyscale_compile.distributed import cp_indexer_topk, gather_keys, merge_topk  # noqa: E402
+from hyscale_compile.distributed import (  # noqa: E402
+    cp_indexer_topk,
+    gather_keys,
+    global_positions,
+    merge_topk,
+    rank_segments,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--single", action="store_true", help="one process: one rank's work on one device")
     p.add_argument("--rank", type=int, default=None, help="--single: which rank's rows (default: the last)")
     p.add_argument("--world", type=int, default=2, help="--single: how many ranks the sequence is split over")
+    p.add_argument("--layout", choices=["contiguous", "zigzag"], default="contiguous",
+                   help="--single: which layout's rows the rank holds")
+    p.add_argument("--layouts", default="contiguous,zigzag",
+                   help="CP: layouts to measure (contiguous always; zigzag = load-balanced chunks)")
     p.add_argument("--L", type=int, default=262144, help="sequence length (keys; queries over all ranks)")
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--D", type=int, default=128)
@@ -190,40 +200,40 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_blocks(values: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, kx: torch.Tensor, w: torch.Tensor,
-                 first_row: int, args: argparse.Namespace, scale: float) -> dict:
+                 segments: list[tuple[int, int, int]], args: argparse.Namespace, scale: float) -> dict:
     """Compare rows of a rank's result with one-device calls over the whole key set, block by block.
 
-    ``values``/``indices`` hold the rank's T rows, whose global positions start at ``first_row``.
-    Blocks: the chunk's first rows, its last rows and a random block in between.
+    ``segments``: the rank's rows as (local start, global start, length) runs. Blocks per run: its
+    first rows, its last rows and a random block in between.
     """
-    T, n = values.shape[1], min(args.check_rows, values.shape[1])
     g = torch.Generator().manual_seed(args.seed + 1)
-    starts = sorted({0, T - n, int(torch.randint(0, T - n + 1, (1,), generator=g))})
     blocks = []
-    for s in starts:
-        a = first_row + s
-        ref_v, ref_i = indexer_topk(q[:, a:a + n], kx, args.k, weights=w[:, a:a + n], scale=scale, query_offset=a)
-        same_i = torch.equal(indices[:, s:s + n], ref_i)
-        same_v = _bits_equal(values[:, s:s + n], ref_v)
-        bad_rows = int((indices[:, s:s + n] != ref_i).any(-1).sum())
-        blocks.append({"global_rows": [a, a + n], "indices_equal": same_i, "values_bitwise": same_v,
-                       "rows_with_index_mismatch": bad_rows})
+    for local, first, length in segments:
+        n = min(args.check_rows, length)
+        for s in sorted({0, length - n, int(torch.randint(0, length - n + 1, (1,), generator=g))}):
+            a, ls = first + s, local + s
+            ref_v, ref_i = indexer_topk(q[:, a:a + n], kx, args.k, weights=w[:, a:a + n], scale=scale,
+                                        query_offset=a)
+            got_v, got_i = values[:, ls:ls + n], indices[:, ls:ls + n]
+            blocks.append({"global_rows": [a, a + n], "indices_equal": torch.equal(got_i, ref_i),
+                           "values_bitwise": _bits_equal(got_v, ref_v),
+                           "rows_with_index_mismatch": int((got_i != ref_i).any(-1).sum())})
     return {"blocks": blocks, "all_equal": all(b["indices_equal"] and b["values_bitwise"] for b in blocks)}
 
 
 def check_reference(values: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, kx: torch.Tensor, w: torch.Tensor,
-                    first_row: int, args: argparse.Namespace, scale: float) -> dict:
+                    segments: list[tuple[int, int, int]], args: argparse.Namespace, scale: float) -> dict:
     """A few rows against the plain-PyTorch reference (fp32 einsum), near-tie rule: catches kernel bugs."""
     from hyscale_compile.runtime.dispatch import force_backend
     from hyscale_compile.testing import assert_same_topk
 
-    n = min(args.ref_rows, values.shape[1])
-    s = values.shape[1] - n  # the last rows see the most keys
-    a = first_row + s
+    local, first, length = max(segments, key=lambda seg: seg[1])  # the last rows see the most keys
+    n = min(args.ref_rows, length)
+    a, ls = first + length - n, local + length - n
     with force_backend("reference"):
         ref_v, ref_i = indexer_topk(q[:, a:a + n], kx, args.k, weights=w[:, a:a + n], scale=scale, query_offset=a)
     try:
-        assert_same_topk(values[:, s:s + n], indices[:, s:s + n], ref_v, ref_i, rtol=1e-4, atol=1e-4)
+        assert_same_topk(values[:, ls:ls + n], indices[:, ls:ls + n], ref_v, ref_i, rtol=1e-4, atol=1e-4)
         return {"global_rows": [a, a + n], "ok": True}
     except AssertionError as e:
         return {"global_rows": [a, a + n], "ok": False, "message": str(e)[:2000]}
@@ -238,11 +248,23 @@ def _rank_rows(q, kx, w, rank: int, T: int):
     return q[:, rows].contiguous(), kx[:, rows].contiguous(), w[:, rows].contiguous()
 
 
-def _one_device_rank_work(q, kx, w, rank: int, T: int, k: int, scale: float):
-    """What rank ``rank`` computes, done on one device: its rows, the keys up to its end, its offset."""
-    end = min(kx.shape[1], max((rank + 1) * T, k))
-    rows = slice(rank * T, (rank + 1) * T)
-    return indexer_topk(q[:, rows], kx[:, :end], k, weights=w[:, rows], scale=scale, query_offset=rank * T)
+def _one_device_segments(q, kx, w, segments: list[tuple[int, int, int]], k: int, scale: float):
+    """What a rank computes, done on one device: per run of rows, the keys up to its end, its offset."""
+    values, indices = [], []
+    for _, first, n in segments:
+        end = min(kx.shape[1], max(first + n, k))
+        v, i = indexer_topk(q[:, first:first + n], kx[:, :end], k, weights=w[:, first:first + n], scale=scale,
+                            query_offset=first)
+        values.append(v)
+        indices.append(i)
+    if len(values) == 1:
+        return values[0], indices[0]
+    return torch.cat(values, dim=1), torch.cat(indices, dim=1)
+
+
+def _one_device_rank_work(q, kx, w, rank: int, T: int, k: int, scale: float, world: int = 1,
+                          layout: str = "contiguous"):
+    return _one_device_segments(q, kx, w, rank_segments(rank, world, T, layout), k, scale)
 
 
 def _overlap_parts(q_l, kx_l, w_l, kx, rank: int, T: int, k: int, scale: float):
@@ -266,6 +288,7 @@ def run_cp(args: argparse.Namespace, res: Results, device: torch.device) -> None
     scale = args.D ** -0.5
     q, kx, w = make_inputs(args, device)
     q_l, kx_l, w_l = _rank_rows(q, kx, w, rank, T)
+    segs = rank_segments(rank, world, T)
     mine: dict = {"rank": rank, "first_row": rank * T}
 
     def cp(overlap: bool):
@@ -284,14 +307,16 @@ def run_cp(args: argparse.Namespace, res: Results, device: torch.device) -> None
     mine["time_overlap_parts_no_comm"] = _try(lambda: timed(
         lambda: _overlap_parts(q_l, kx_l, w_l, kx, rank, T, args.k, scale), device, args.iters, args.warmup))
     if out_plain is not None:
-        mine["check_no_overlap"] = _try(lambda: check_blocks(*out_plain, q, kx, w, rank * T, args, scale))
-        mine["check_reference"] = _try(lambda: check_reference(*out_plain, q, kx, w, rank * T, args, scale))
+        mine["check_no_overlap"] = _try(lambda: check_blocks(*out_plain, q, kx, w, segs, args, scale))
+        mine["check_reference"] = _try(lambda: check_reference(*out_plain, q, kx, w, segs, args, scale))
     if out_overlap is not None:
-        mine["check_overlap"] = _try(lambda: check_blocks(*out_overlap, q, kx, w, rank * T, args, scale))
+        mine["check_overlap"] = _try(lambda: check_blocks(*out_overlap, q, kx, w, segs, args, scale))
     if out_plain is not None and out_overlap is not None:
         mine["overlap_equals_no_overlap"] = (torch.equal(out_plain[1], out_overlap[1])
                                              and _bits_equal(out_plain[0], out_overlap[0]))
     out_plain = out_overlap = None  # free them before the one-GPU baseline
+    if "zigzag" in args.layouts.split(","):
+        _run_zigzag(args, q, kx, w, rank, world, T, scale, device, mine, res)
     if device.type == "cuda":
         mine["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     per_rank: list = [None] * world
@@ -303,6 +328,25 @@ def run_cp(args: argparse.Namespace, res: Results, device: torch.device) -> None
         res.data["derived"] = _try(lambda: _derived(res.data))
         res.save()
     dist.barrier()
+
+
+def _run_zigzag(args, q, kx, w, rank: int, world: int, T: int, scale: float, device: torch.device, mine: dict,
+                res: Results) -> None:
+    """The load-balanced layout: rank r holds chunks r and 2*world-1-r (queries and keys)."""
+    pos = global_positions(T, layout="zigzag", device=device)
+    q_z, kx_z, w_z = q[:, pos].contiguous(), kx[:, pos].contiguous(), w[:, pos].contiguous()
+    segs = rank_segments(rank, world, T, "zigzag")
+    mine["zigzag_segments"] = segs
+
+    def cp():
+        return cp_indexer_topk(q_z, kx_z, args.k, weights=w_z, scale=scale, layout="zigzag")
+
+    out = _phase(res, mine, "cp_result_zigzag", cp)
+    mine["time_cp_zigzag"] = _try(lambda: timed(cp, device, args.iters, args.warmup, barrier=True))
+    mine["time_select_only_zigzag"] = _try(lambda: timed(
+        lambda: _one_device_segments(q, kx, w, segs, args.k, scale), device, args.iters, args.warmup))
+    if out is not None:
+        mine["check_zigzag"] = _try(lambda: check_blocks(*out, q, kx, w, segs, args, scale))
 
 
 def _med(x) -> float | None:
@@ -335,6 +379,15 @@ def _derived(data: dict) -> dict:
     single = _med(one.get("all_rows_one_call"))
     out["speedup_vs_one_gpu_all_rows_in_chunks"] = chunks / slowest if chunks and slowest else None
     out["speedup_vs_one_gpu_all_rows_one_call"] = single / slowest if single and slowest else None
+    zig = [_med(r.get("time_cp_zigzag")) for r in data.get("per_rank") or []]
+    if zig and all(zig):
+        out["zigzag_slowest_rank_s"] = max(zig)
+        out["zigzag_imbalance_max_over_min"] = max(zig) / min(zig)
+        out["zigzag_speedup_vs_one_gpu_all_rows_in_chunks"] = chunks / max(zig) if chunks else None
+        out["zigzag_speedup_vs_one_gpu_all_rows_one_call"] = single / max(zig) if single else None
+    plain = [_med(r.get("time_cp_no_overlap")) for r in data.get("per_rank") or []]
+    if plain and all(plain):
+        out["contiguous_imbalance_max_over_min"] = max(plain) / min(plain)
     return out
 
 
@@ -347,6 +400,11 @@ def _one_device_baseline(args, q, kx, w, world: int, T: int, scale: float, devic
     per = [out[f"rank{r}_rows"] for r in range(world)]
     if all(p and "median_s" in p for p in per):
         out["all_rows_in_rank_chunks_s"] = sum(p["median_s"] for p in per)
+    if "zigzag" in args.layouts.split(","):
+        for r in range(world):
+            out[f"rank{r}_rows_zigzag"] = _try(lambda r=r: timed(
+                lambda: _one_device_rank_work(q, kx, w, r, T, args.k, scale, world, "zigzag"),
+                device, args.iters, args.warmup))
     if not args.no_full_baseline:
         out["all_rows_one_call"] = _try(lambda: timed(
             lambda: indexer_topk(q, kx, args.k, weights=w, scale=scale, query_offset=0),
@@ -359,20 +417,30 @@ def run_single(args: argparse.Namespace, res: Results, device: torch.device) -> 
     T = args.L // args.world
     scale = args.D ** -0.5
     q, kx, w = make_inputs(args, device)
-    q_l, kx_l, w_l = _rank_rows(q, kx, w, rank, T)
-    mine: dict = {"rank": rank, "world": args.world, "first_row": rank * T}
-    out = _phase(res, mine, "result", lambda: _one_device_rank_work(q, kx, w, rank, T, args.k, scale))
-    mine["time_select"] = _try(lambda: timed(lambda: _one_device_rank_work(q, kx, w, rank, T, args.k, scale),
-                                             device, args.iters, args.warmup))
-    mine["time_overlap_parts_no_comm"] = _try(lambda: timed(
-        lambda: _overlap_parts(q_l, kx_l, w_l, kx, rank, T, args.k, scale), device, args.iters, args.warmup))
-    parts = _phase(res, mine, "overlap_parts_result", lambda: _overlap_parts(q_l, kx_l, w_l, kx, rank, T, args.k,
-                                                                             scale))
+    segs = rank_segments(rank, args.world, T, args.layout)
+    mine: dict = {"rank": rank, "world": args.world, "layout": args.layout, "segments": segs}
+
+    def work():
+        return _one_device_segments(q, kx, w, segs, args.k, scale)
+
+    out = _phase(res, mine, "result", work)
+    mine["time_select"] = _try(lambda: timed(work, device, args.iters, args.warmup))
+    parts = None
+    if args.layout == "contiguous":  # the split-overlap path exists for this layout only
+        q_l, kx_l, w_l = _rank_rows(q, kx, w, rank, T)
+
+        def split():
+            return _overlap_parts(q_l, kx_l, w_l, kx, rank, T, args.k, scale)
+
+        mine["time_overlap_parts_no_comm"] = _try(lambda: timed(split, device, args.iters, args.warmup))
+        parts = _phase(res, mine, "overlap_parts_result", split)
     if out is not None:
-        mine["check"] = _try(lambda: check_blocks(*out, q, kx, w, rank * T, args, scale))
-        mine["check_reference"] = _try(lambda: check_reference(*out, q, kx, w, rank * T, args, scale))
+        mine["check"] = _try(lambda: check_blocks(*out, q, kx, w, segs, args, scale))
+        mine["check_reference"] = _try(lambda: check_reference(*out, q, kx, w, segs, args, scale))
         if parts is not None:
             mine["overlap_parts_equal"] = torch.equal(out[1], parts[1]) and _bits_equal(out[0], parts[0])
+    if device.type == "cuda":
+        mine["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     res.data["single"] = mine
     res.save()
 
@@ -447,7 +515,8 @@ def _summary(data: dict) -> dict:
     for r in data.get("per_rank") or []:
         s[f"rank{r['rank']}"] = {k: med(r.get(k)) for k in ("time_cp_no_overlap", "time_cp_overlap",
                                                              "time_key_gather", "time_select_only",
-                                                             "time_overlap_parts_no_comm")}
+                                                             "time_overlap_parts_no_comm", "time_cp_zigzag",
+                                                             "time_select_only_zigzag")}
     if "one_gpu" in data:
         s["one_gpu"] = {k: (med(v) if isinstance(v, dict) else v) for k, v in data["one_gpu"].items()}
     if "single" in data:

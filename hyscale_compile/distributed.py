@@ -45,7 +45,7 @@ from .lowering.api import indexer_topk
 from .runtime.reference import order_key
 
 __all__ = ["KeyGather", "cp_indexer_topk", "gather_keys", "gather_sequence", "global_positions", "merge_topk",
-           "query_offset", "start_key_gather"]
+           "query_offset", "rank_segments", "start_key_gather"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,8 +65,8 @@ def query_offset(local_len: int, group: dist.ProcessGroup | None = None) -> int:
 _LAYOUTS = ("contiguous", "zigzag")
 
 
-def _segments(rank: int, world: int, local_len: int, layout: str) -> list[tuple[int, int, int]]:
-    """This rank's rows as (local start, global start, length) runs of consecutive positions."""
+def rank_segments(rank: int, world: int, local_len: int, layout: str = "contiguous") -> list[tuple[int, int, int]]:
+    """Rank ``rank``'s rows as (local start, global start, length) runs of consecutive positions."""
     if layout == "contiguous":
         return [(0, rank * local_len, local_len)]
     if layout == "zigzag":
@@ -87,7 +87,7 @@ def global_positions(local_len: int, group: dist.ProcessGroup | None = None,
     """
     rank, world = _rank_world(group)
     return torch.cat([torch.arange(g, g + n, device=device, dtype=torch.int64)
-                      for _, g, n in _segments(rank, world, local_len, layout)])
+                      for _, g, n in rank_segments(rank, world, local_len, layout)])
 
 
 def _to_global_order(gathered: Tensor, world: int, layout: str) -> Tensor:
@@ -292,7 +292,7 @@ def _cp_select_segments(q_local: Tensor, kx_local: Tensor, k: int, group, weight
     pending = keys if keys is not None else start_key_gather(kx_local, group)
     ordered = _to_global_order(_with_grad(kx_local, pending.wait(), group), world, layout)
     values, indices = [], []
-    for local, first, n in _segments(rank, world, T, layout):
+    for local, first, n in rank_segments(rank, world, T, layout):
         rows = slice(local, local + n)
         w = weights[:, rows] if weights is not None else None
         # Keys up to the run's last query (and at least k, for rows short of visible keys).
