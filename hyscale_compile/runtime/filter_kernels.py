@@ -114,14 +114,18 @@ def _append_dot(cnt_ptr, buf_ptr, rid, row_ok, passed, comp, C, stride, upper):
 
 @triton.jit
 def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mask_ptr, bias_ptr,
-                  T, S, H, scale, fill, M, samp_stride,
+                  T, S, H, scale, fill, M, samp_stride, SPLIT,
                   sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                   RELU: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Keys of M evenly spaced positions of the block's range, shared by its rows (one matmul tile)."""
+    """Keys of M evenly spaced positions of the block's range, shared by its rows (one matmul tile).
+
+    SPLIT programs share a block's samples; the per-row count of valid samples is an integer atomic sum.
+    """
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
     rows_t, row_ok, rid, lo, hi, blo, bhi = _block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
     bctx = tl.maximum(bhi - blo, 0)
     n = tl.minimum(bctx, M)
@@ -130,7 +134,7 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
     kx_b = kx_ptr + b * skb
     rows_b = rows_t * 0 + b
     m = tl.zeros((BT,), dtype=tl.int32)
-    for j0 in range(0, M, BS):
+    for j0 in range(split * BS, M, SPLIT * BS):
         j = j0 + tl.arange(0, BS).to(tl.int64)
         j_ok = j < n
         cols = tl.where(j_ok, blo + tl.where(bctx > M, (j * bctx) // M, j), 0)
@@ -145,7 +149,7 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
             key = tl.where(ok, order_key(val), key)
         m += tl.sum(ok.to(tl.int32), axis=1)
         tl.store(samp_ptr + rid[:, None] * samp_stride + j[None, :], key, mask=row_ok[:, None] & (j < M)[None, :])
-    tl.store(msamp_ptr + rid, m, mask=row_ok)
+    tl.atomic_add(msamp_ptr + rid, m, mask=row_ok & (m > 0))
 
 
 @triton.jit

@@ -195,8 +195,9 @@ def sample_threshold(pb: _Problem, k: int) -> tuple[Tensor, Tensor]:
     thr = torch.empty(R, dtype=torch.int32, device=dev)
     sampled = S > cap
     if sampled:
-        pb.launch(sample_kernel, (pb.n_tblk, B), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask, pb.bias,
-                  T, S, pb.H, pb.scale, pb.fill, M, 2 * width)
+        split = max(1, min(cdiv(M, pb.tile.bs), cdiv(_programs(dev), pb.n_tblk * B)))
+        pb.launch(sample_kernel, (pb.n_tblk, B, split), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask,
+                  pb.bias, T, S, pb.H, pb.scale, pb.fill, M, 2 * width, split)
     mb = max(16, 1 << max(0, (M - 1).bit_length()))
     threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, S, k, cap, target, M, 2 * width, width,
                            fill_key(pb.fill), SAMPLED=sampled, MB=mb, EB=1024, num_warps=8)

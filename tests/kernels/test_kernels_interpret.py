@@ -150,6 +150,19 @@ def test_sampled_threshold_exact():
     assert s.rows == 6 and s.rows_recovered <= 1 and 8 <= s.mean_candidates <= 64
 
 
+def test_sampled_threshold_split_programs():
+    """Samples of one query block spread over several programs (counts summed with atomics)."""
+    S = 600
+    q = torch.full((1, 3, 1, 16), 0.125)
+    kx = torch.zeros(1, S, 16)
+    kx[..., 0] = torch.arange(S) / 8 - 30  # distinct scores, so the sampled quantile is sharp
+    stats.reset()
+    with knobs(capacity=200, target=100, samples=300, programs=8):
+        check(q, kx, None, 10, vis=Visibility(causal=True, offset=597), relu=False)
+    s = stats.read()
+    assert s.rows_recovered == 0 and 90 <= s.mean_candidates <= 110
+
+
 def test_prefix_by_matmul_append():
     """The filter's alternative append (running counts from a matmul) gives the same exact result."""
     q, kx, w = inputs(B=1, T=6, S=128, seed=15)
