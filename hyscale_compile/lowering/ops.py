@@ -49,8 +49,8 @@ def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
                f"hyscale: query_offset tensor must be [B] = [{B}], got {tuple(offsets.shape)}")
     for name, win in (("starts", starts), ("ends", ends)):
         if win is not None:
-            _check(win.dim() == 2 and win.shape[0] == B and win.shape[1] == T,
-                   f"hyscale: {name} must be [B, T] = [{B}, {T}], got {tuple(win.shape)}")
+            _check(win.dim() == 2 and all(w == n or w == 1 for w, n in zip(win.shape, (B, T))),
+                   f"hyscale: {name} must broadcast to [B, T] = [{B}, {T}], got {tuple(win.shape)}")
             _check(not win.is_floating_point(), f"hyscale: {name} must be an integer tensor, got {win.dtype}")
     if mask is not None:
         _check(mask.dtype == torch.bool, f"hyscale: mask must be bool here, got {mask.dtype}")
@@ -70,7 +70,10 @@ def _prepare(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Ten
     return kx, weights
 
 
-def _vis(causal, offset, offsets, starts, ends, mask, bias) -> Visibility:
+def _vis(causal, offset, offsets, starts, ends, mask, bias, rows=None) -> Visibility:
+    if rows is not None:  # windows may broadcast over batch or query rows: give kernels full [B, T] views
+        starts = starts.expand(*rows) if starts is not None else None
+        ends = ends.expand(*rows) if ends is not None else None
     return Visibility(causal=causal, offset=offset, offsets=offsets, starts=starts, ends=ends, mask=mask, bias=bias)
 
 
@@ -83,7 +86,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
            causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
            mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool) -> tuple[Tensor, Tensor]:
     check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
-    vis = _vis(causal, offset, offsets, starts, ends, mask, bias)
+    vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2])
     kx, weights = _prepare(q, kx, weights)
     impl = dispatch.kernels_for(q)
     return impl.select(q, kx, weights, k, scale, relu, vis, fill, sorted=sorted)
@@ -105,7 +108,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
             causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
             mask: Tensor | None, bias: Tensor | None, fill: float) -> Tensor:
     check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias)
-    vis = _vis(causal, offset, offsets, starts, ends, mask, bias)
+    vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2])
     kx, weights = _prepare(q, kx, weights)
     return dispatch.kernels_for(q).rescore(q, kx, weights, indices, scale, relu, vis, fill)
 
@@ -127,7 +130,7 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
                     scale: float, relu: bool, causal: bool, offset: int, offsets: Tensor | None,
                     starts: Tensor | None, ends: Tensor | None, mask: Tensor | None
                     ) -> tuple[Tensor, Tensor, Tensor]:
-    vis = _vis(causal, offset, offsets, starts, ends, mask, None)
+    vis = _vis(causal, offset, offsets, starts, ends, mask, None, rows=q.shape[:2])
     impl = dispatch.backward_kernels_for(q)
     deterministic = torch.are_deterministic_algorithms_enabled()
     if impl is dispatch.reference:

@@ -62,6 +62,7 @@ class Score:
     pre_scale: float = 1.0
     post_scale: float = 1.0
     pre: tuple[Leaf, ...] = ()  # tensor factors applied before the activation
+    key_pre: tuple[Leaf, ...] = ()  # per-key factors before the activation (fold into k)
     weights: tuple[Leaf, ...] = ()
     bias: tuple[Leaf, ...] = ()
     keep: tuple[Leaf, ...] = ()  # bool masks
@@ -258,8 +259,14 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
     if divide or not is_tensor(other):
         raise Reject("the score is scaled by a value that is not a constant number", node)
     leaf = _align(sc, node, other)
-    _check_factor_labels(sc, leaf, node)
-    if sc.relu or sc.head is not None:
+    before_act = not (sc.relu or sc.head is not None)
+    if sc.key in leaf.labels:
+        # act(f_s * q.k_s) == act(q.(f_s k_s)): a per-key factor before the activation folds into the keys
+        if before_act and set(leaf.labels) <= {sc.key, None, *sc.batch}:
+            return sc.with_node(node, key_pre=sc.key_pre + (leaf,))
+        raise Reject("the score is multiplied by a factor that varies with the key position after the "
+                     "activation or with the query too", node)
+    if not before_act:
         return sc.with_node(node, weights=sc.weights + (leaf,))
     return sc.with_node(node, pre=sc.pre + (leaf,))
 

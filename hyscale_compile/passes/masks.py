@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .graph_ops import dtype, is_tensor, named_arg, op_name, shape, value
+from .graph_ops import dtype, is_one, is_tensor, named_arg, op_name, shape, value
 from .index_expr import Leaf, Score
 
 NEG_INF = float("-inf")
@@ -90,7 +90,7 @@ def _affine_or_pred(node) -> Affine | Pred:
     name = op_name(node)
     if name == "arange":
         return _arange(node)
-    if name in ("getitem", "unsqueeze"):
+    if name in ("getitem", "unsqueeze", "reshape"):
         return _reindex(node)
     if name == "expand":  # broadcasting to a larger shape keeps every position's value
         return _affine_or_pred(node.args[0])
@@ -154,6 +154,14 @@ def _reindex(node: fx.Node) -> Affine | Pred:
         d = named_arg(node, "dim")
         d = d + new_nd if d < 0 else d
         keep = [i for i in range(new_nd) if i != d]
+    elif op_name(node) == "reshape":  # only moves of size-1 dims: e.g. arange(n).view(1, 1, -1)
+        real_in = [i for i, d in enumerate(shape(src)) if not is_one(d)]
+        real_out = [j for j, d in enumerate(shape(node)) if not is_one(d)]
+        if len(real_in) != len(real_out) or any(shape(src)[i] != shape(node)[j] for i, j in zip(real_in, real_out)):
+            raise _Unknown
+        keep = [None] * old_nd
+        for i, j in zip(real_in, real_out):
+            keep[i] = j
     else:
         idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         keep, pos = [], 0
@@ -211,6 +219,8 @@ def _fill_value(node: fx.Node):
 
 def visible_where(leaf: Leaf) -> Pred | None:
     """The visibility a bool mask leaf expresses as a position predicate, if it has that form."""
+    if leaf.negate and op_name(leaf.node) == "invert":  # masked_fill(~visible, ...)
+        leaf = Leaf(leaf.node.args[0], leaf.labels)
     try:
         p = _affine_or_pred(leaf.node)
     except (_Unknown, TypeError, KeyError, IndexError, AttributeError):
@@ -248,6 +258,8 @@ class MaskPlan:
     offset_terms: tuple = ()
     starts: fx.Node | None = None
     ends: fx.Node | None = None
+    window_start: tuple | None = None  # (Leaf of an integer row tensor, constant terms added to it)
+    window_end: tuple | None = None
     keep: list[Leaf] = field(default_factory=list)
     bias: list[Leaf] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
@@ -260,6 +272,9 @@ class MaskPlan:
     def emit(self, graph: fx.Graph, order: tuple, canonical) -> tuple[fx.Node | None, fx.Node | None]:
         """Insert the nodes computing the op's offset, bool mask and bias; return (mask, bias)."""
         self.offset = _emit_sum(graph, self.offset_terms)
+        rows = tuple(lab for lab in order[:2])  # (batch, query)
+        self.starts = _emit_row(graph, self.window_start, rows, canonical)
+        self.ends = _emit_row(graph, self.window_end, rows, canonical)
         mask = None
         for leaf in self.keep:
             if leaf.negate and op_name(leaf.node) == "invert":  # masked_fill(~visible, ...): use visible
@@ -273,6 +288,19 @@ class MaskPlan:
             b = canonical(graph, leaf.node, leaf.labels, order)
             bias = b if bias is None else graph.call_function(torch.add, (bias, b))
         return mask, bias
+
+
+def _emit_row(graph: fx.Graph, bound: tuple | None, rows: tuple, canonical) -> fx.Node | None:
+    """A [B, T] (or broadcastable) int64 tensor: the row tensor plus its constant terms."""
+    if bound is None:
+        return None
+    leaf, terms = bound
+    node = canonical(graph, leaf.node, leaf.labels, rows)
+    node = graph.call_method("to", (node, torch.int64))
+    c = _emit_sum(graph, terms)
+    if not (isinstance(c, int) and c == 0):
+        node = graph.call_function(torch.add, (node, c))
+    return node
 
 
 def _emit_sum(graph: fx.Graph, terms: tuple):
@@ -310,14 +338,42 @@ def _causal_offset(p: Pred, leaf: Leaf, sc: Score) -> tuple | None:
     return tuple(_neg_term(t) for t in e.const)
 
 
+def _window(p: Pred, leaf: Leaf, sc: Score) -> tuple | None:
+    """``start(b, t) <= s < end(b, t)`` with per-row integer tensors: ((start terms), (end terms)) or None."""
+    n = len(leaf.labels)
+    starts, ends = [], []
+    for e in p.leq_zero:
+        if len(e.tensors) != 1 or any(d < -n for d, _ in e.coef):
+            return None
+        coefs = {leaf.labels[n + d]: v for d, v in e.coef}
+        sign, node, dims = e.tensors[0]
+        labels = tuple(leaf.labels[n + d] for d in dims)
+        if set(labels) - {sc.query, None, *sc.batch} or coefs not in ({sc.key: -1}, {sc.key: 1}):
+            return None
+        row = Leaf(node, labels)
+        if coefs[sc.key] == -1 and sign == 1:  # -s + X + c <= 0  <=>  s >= X + c
+            starts.append((row, e.const))
+        elif coefs[sc.key] == 1 and sign == -1:  # s - X + c <= 0  <=>  s < X - c + 1
+            ends.append((row, tuple(_neg_term(t) for t in e.const) + (1,)))
+        else:
+            return None
+    if len(starts) > 1 or len(ends) > 1 or not (starts or ends):
+        return None
+    return (starts[0] if starts else None), (ends[0] if ends else None)
+
+
 def plan(sc: Score) -> MaskPlan:
     out = MaskPlan(fill=NEG_INF if sc.fill is None else sc.fill)
     for leaf in sc.keep:
         p = visible_where(leaf)
         terms = _causal_offset(p, leaf, sc) if p is not None else None
+        window = _window(p, leaf, sc) if p is not None and terms is None else None
         if terms is not None and not out.causal:
             out.causal, out.offset_terms = True, terms
             out.kinds.append("causal")
+        elif window is not None and out.window_start is None and out.window_end is None:
+            out.window_start, out.window_end = window
+            out.kinds.append("window")
         else:
             out.keep.append(leaf)
             out.kinds.append("bool mask tensor")

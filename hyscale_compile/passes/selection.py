@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from . import debug, masks
+from . import debug, inplace, masks
 from .graph_ops import arg, dtype, is_tensor, named_arg, normalize_dim, op_name, shape, source_line
 from .index_expr import Leaf, Reject, Score, interpret, positive_scale
 from .report import SiteReport, record, symbolic_bytes
@@ -36,6 +36,7 @@ class Site:
     values: list[fx.Node]  # getitem(topk, 0)
     indices: list[fx.Node]  # getitem(topk, 1)
     gathers: list[fx.Node]  # score.gather(s_dim, indices)
+    extra: tuple[fx.Node, ...] = ()  # other nodes of the selection to erase (a sort's getitems)
 
 
 def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
@@ -43,7 +44,7 @@ def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
     reports: list[SiteReport] = []
     for name, sub in _graph_modules(gm):
         before = sub.print_readable(print_output=False)
-        found = [n for n in sub.graph.nodes if op_name(n) == "topk"]
+        found = [n for n in sub.graph.nodes if op_name(n) in ("topk", "sort")]
         for node in found:
             reports.append(_run_site(sub, name, node))
         if any(r.decision == "rewritten" and r.graph == name for r in reports):
@@ -62,6 +63,7 @@ def _graph_modules(gm: fx.GraphModule):
 
 def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
     report = SiteReport(graph=graph_name, node=node.name, source=source_line(node), decision="rejected", reason="")
+    undo = inplace.functionalize_ancestors(gm.graph, node)
     try:
         site = _site(node)
         report.k = str(site.k)
@@ -74,8 +76,10 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         report.decision = "rewritten"
         report.reason = "; ".join(plan.notes) or "indexer form proven"
     except Reject as err:
+        undo()
         report.reason = err.reason
     except Exception as err:  # a bug of ours must never break the user's compile: leave the site alone
+        undo()
         if STRICT:
             raise
         report.reason = f"hyscale internal error, site left alone (please report): {type(err).__name__}: {err}"
@@ -88,6 +92,59 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
 
 
 def _site(node: fx.Node) -> Site:
+    return _sort_site(node) if op_name(node) == "sort" else _topk_site(node)
+
+
+def _sort_site(node: fx.Node) -> Site:
+    """``sort(score, descending=True)`` read only through ``[..., :k]`` slices: a top-k, ties by position."""
+    score = arg(node, 0, "input")
+    if not isinstance(score, fx.Node) or shape(score) is None:
+        raise Reject("sort input is not a tensor of this graph", node)
+    ndim = len(shape(score))
+    dim = named_arg(node, "dim", -1)
+    if not isinstance(dim, int) or not named_arg(node, "descending", False):
+        raise Reject("the sort is not a descending sort along a constant dim", node)
+    s_dim = normalize_dim(dim, ndim)
+    parts, ks = ([], []), set()
+    for user in node.users:
+        if op_name(user) != "getitem" or user.args[1] not in (0, 1):
+            raise Reject(f"the sort result is used by {_what(user)} directly", node)
+        for sl in user.users:
+            k = _leading_slice(sl, s_dim, ndim)
+            if k is None:
+                raise Reject("the sorted scores or indices are read beyond a leading [..., :k] slice", node)
+            ks.add(k)
+            parts[user.args[1]].append(sl)
+    size = shape(score)[s_dim]
+    if len(ks) != 1 or not all(isinstance(x, int) for x in (*ks, size)):
+        raise Reject("the sort is sliced to different or symbolic lengths", node)
+    k = min(ks.pop(), size)
+    gathers = [u for u in score.users if u is not node and _is_gather_at(u, score, s_dim, ndim, parts[1])]
+    return Site(node, score, s_dim, k, True, parts[0], parts[1], gathers, extra=tuple(node.users))
+
+
+def _leading_slice(node: fx.Node, s_dim: int, ndim: int) -> int | None:
+    """k when ``node`` is ``x[..., :k]`` on ``s_dim`` (every other dim whole), else None."""
+    if op_name(node) != "getitem":
+        return None
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if Ellipsis in idx:
+        i = idx.index(Ellipsis)
+        idx = idx[:i] + (slice(None),) * (ndim - len(idx) + 1) + idx[i + 1:]
+    if len(idx) < ndim:
+        idx = idx + (slice(None),) * (ndim - len(idx))
+    if len(idx) != ndim or not all(isinstance(x, slice) for x in idx):
+        return None
+    for d, x in enumerate(idx):
+        if d == s_dim:
+            if x.start not in (None, 0) or x.step not in (None, 1) or not isinstance(x.stop, int) or x.stop < 0:
+                return None
+        elif x != slice(None):
+            return None
+    return idx[s_dim].stop
+
+
+def _topk_site(node: fx.Node) -> Site:
     score = arg(node, 0, "input")
     if not isinstance(score, fx.Node) or shape(score) is None:
         raise Reject("top-k input is not a tensor of this graph", node)
@@ -246,9 +303,6 @@ def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) ->
         kn, kl = _peel(sc.k)
         q = _canonical(graph, qn, ql, (batch, T, H, D))
         k = _canonical(graph, kn, kl, (batch, S, D))
-        if dtype(qn) != dtype(kn):  # one side genuinely fp32: score both in fp32
-            q = graph.call_method("float", (q,)) if dtype(qn) != torch.float32 else q
-            k = graph.call_method("float", (k,)) if dtype(kn) != torch.float32 else k
         pre, pre_numbers = _factors(graph, sc.pre, (batch, T, H))
         if sc.pre:  # fold into q in fp32: a product of bf16 q and a factor is not bf16-exact
             q = graph.call_method("float", (q,))
@@ -256,6 +310,15 @@ def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) ->
             q = graph.call_function(torch.mul, (q, graph.call_method("unsqueeze", (pre, -1))))
         for c in pre_numbers:
             q = graph.call_function(operator.mul, (q, c))
+        kpre, _ = _factors(graph, sc.key_pre, (batch, S))
+        if kpre is not None:
+            k = graph.call_function(torch.mul, (graph.call_method("float", (k,)),
+                                                graph.call_method("unsqueeze", (kpre, -1))))
+        q_dtype = torch.float32 if sc.pre else dtype(qn)
+        k_dtype = torch.float32 if sc.key_pre else dtype(kn)
+        if q_dtype != k_dtype:  # one side is genuinely fp32 (or mixed 16-bit types): score both in fp32
+            q = graph.call_method("float", (q,)) if q_dtype != torch.float32 else q
+            k = graph.call_method("float", (k,)) if k_dtype != torch.float32 else k
         w, w_numbers = _factors(graph, sc.weights, (batch, T, H))
         for c in w_numbers:
             w = graph.call_function(operator.mul, (w, c))
@@ -272,7 +335,7 @@ def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) ->
         user.replace_all_uses_with(values)
     for user in site.indices:
         user.replace_all_uses_with(indices)
-    for n in site.gathers + site.values + site.indices + [site.topk] + list(reversed(sc.nodes)):
+    for n in site.gathers + site.values + site.indices + list(site.extra) + [site.topk] + list(reversed(sc.nodes)):
         if not n.users:
             graph.erase_node(n)
     _erase_dead_inputs(graph, sc)
