@@ -50,6 +50,26 @@ def _inductor_patches(mode: str | None, rest: dict[str, Any], opts: HyscaleOptio
     return patches
 
 
+def _aot_eager(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: HyscaleOptions):
+    """AOTAutograd without Inductor (for debugging); replay runs in the partition step, as Inductor's hook would."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_compiler
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def _noop(g, _):
+        return g
+
+    def _partition(joint, inputs, **kwargs):
+        if opts.replay:
+            from .passes import replay
+
+            replay.apply(joint.graph)
+            joint.recompile()
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    return aot_autograd(fw_compiler=make_boxed_compiler(_noop), partition_fn=_partition)(gm, example_inputs)
+
+
 def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
             mode: str | None = None):
     """Dynamo backend entry point."""
@@ -59,13 +79,7 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
     if opts.compiler == "eager":
         return gm.forward
     if opts.compiler == "aot_eager":
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_compiler
-
-        def _noop(g, _):
-            return g
-
-        return aot_autograd(fw_compiler=make_boxed_compiler(_noop))(gm, example_inputs)
+        return _aot_eager(gm, example_inputs, opts)
     if opts.compiler != "inductor":
         raise ValueError(f"hyscale: options['compiler'] must be 'inductor', 'aot_eager' or 'eager', "
                          f"got {opts.compiler!r}")
