@@ -4,8 +4,7 @@ Tiny random configs on CPU (tests/models/hf.py). Two kinds of checks:
 
 * logits of the compiled model equal eager (Inductor compiles the rewritten graph);
 * every indexer site is rewritten (counters["hyscale"]["selection_rewritten"] == one per layer that runs an
-  indexer), and the MoE router's top-k nodes are not. These are xfail until the selection pass recognises the HF
-  spelling (reason "selection pass"); strict=False so they turn green on their own.
+  indexer), and the MoE router's top-k nodes are not.
 
 Tolerance of the logits: the indexer only produces indices, so once the selection is the same the only
 differences come from Inductor's fp32 arithmetic (fused RMSNorm/softmax reductions in another order). On these
@@ -115,7 +114,6 @@ def test_logits_equal_eager(name):
     torch.testing.assert_close(actual, expected, **LOGITS_TOL)
 
 
-@pytest.mark.xfail(strict=False, reason="selection pass")
 @pytest.mark.parametrize("name", list(COUNTER_CASES))
 def test_every_indexer_site_rewritten(name):
     model, inputs = _build(COUNTER_CASES[name])
@@ -137,7 +135,6 @@ def test_factories_are_deterministic():
         assert not torch.equal(m1.lm_head.weight, m3.lm_head.weight)
 
 
-@pytest.mark.xfail(strict=False, reason="selection pass")
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
 def test_sequence_length_changes_recompile_once(name):
     """Five sequence lengths: the first call compiles a static graph, the second a dynamic one (automatic
