@@ -7,13 +7,16 @@ Multi-GPU (the run of issue 3):
 Each rank holds T = L / world queries at global positions [rank*T, (rank+1)*T) and its chunk of
 keys; ``cp_indexer_topk`` all-gathers the keys and selects with the rank's query offset. Measured,
 per rank: the CP call without and with overlap, the key gather alone and the selection alone on
-already-gathered keys (so the overlap's ceiling is visible). Rank 0 then times one GPU doing the
-same rows (each rank's rows in turn, and all rows in one call when memory allows).
+already-gathered keys (so the overlap's ceiling is visible), and the same for the load-balanced
+zigzag layout (rank r holds chunks r and 2*world-1-r). Rank 0 then times one GPU doing the same
+rows (each rank's rows in turn, and all rows in one call when memory allows). "derived" in the
+JSON has the ratios: CP vs one GPU on the same rows, overlap gain, the gather's share, speedups.
 Equality: on blocks of sampled rows, the CP result must equal a one-GPU call over the whole key
 set with that block's offset (indices identical, values bitwise); a few rows are also checked
 against the plain-PyTorch reference with the near-tie rule.
 
-One GPU, one rank's work (as rank ``--rank`` of ``--world`` would see it):
+One GPU, one rank's work (as rank ``--rank`` of ``--world`` would see it, ``--layout`` contiguous
+or zigzag):
 
     python benchmarks/context_parallel.py --single --out single.json
 

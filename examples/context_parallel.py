@@ -27,7 +27,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from hyscale_compile import indexer_topk  # noqa: E402
-from hyscale_compile.distributed import cp_indexer_topk, gather_sequence, start_key_gather  # noqa: E402
+from hyscale_compile.distributed import (  # noqa: E402
+    cp_indexer_topk,
+    gather_sequence,
+    global_positions,
+    start_key_gather,
+)
 
 
 class SparseAttentionBlock(nn.Module):
@@ -82,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k", type=int, default=16)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compiler", default="inductor", help="what compiles after the passes: inductor, aot_eager")
+    p.add_argument("--layout", choices=["contiguous", "zigzag"], default="contiguous",
+                   help="selection by hand: contiguous chunks or load-balanced zigzag chunks")
     return p.parse_args()
 
 
@@ -96,7 +103,7 @@ def setup() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def selection_by_hand(rank: int, world: int, device: torch.device, L: int, k: int) -> None:
+def selection_by_hand(rank: int, world: int, device: torch.device, L: int, k: int, layout: str) -> None:
     """CP selection with the helper, checked against one process doing all rows."""
     H, D = 4, 32
     g = torch.Generator(device=device).manual_seed(0)  # same full tensors on every rank
@@ -104,15 +111,16 @@ def selection_by_hand(rank: int, world: int, device: torch.device, L: int, k: in
     kx = torch.randn(1, L, D, generator=g, device=device)
     w = torch.randn(1, L, H, generator=g, device=device)
     T = L // world
-    rows = slice(rank * T, (rank + 1) * T)
+    rows = global_positions(T, layout=layout, device=device)  # this rank's tokens (queries and keys)
     kx_local = kx[:, rows].contiguous()
     keys = start_key_gather(kx_local)  # in flight while the rank does other work
     q_local, w_local = q[:, rows].contiguous(), w[:, rows].contiguous()
-    values, indices = cp_indexer_topk(q_local, kx_local, k, weights=w_local, scale=D ** -0.5, keys=keys)
+    values, indices = cp_indexer_topk(q_local, kx_local, k, weights=w_local, scale=D ** -0.5, keys=keys,
+                                      layout=layout)
     ref_values, ref_indices = indexer_topk(q, kx, k, weights=w, scale=D ** -0.5, query_offset=0)
     same = torch.equal(indices, ref_indices[:, rows]) and torch.equal(
         values.view(torch.int32), ref_values[:, rows].contiguous().view(torch.int32))
-    print(f"[rank {rank}] CP selection of rows {rows.start}..{rows.stop - 1} equals one process: {same}", flush=True)
+    print(f"[rank {rank}] CP selection ({layout}) of {T} rows equals one process: {same}", flush=True)
 
 
 def train(rank: int, world: int, device: torch.device, L: int, k: int, steps: int, compiler: str) -> None:
@@ -151,7 +159,7 @@ def main() -> None:
     try:
         if args.seq % world:
             raise SystemExit(f"--seq {args.seq} must be a multiple of the world size {world}")
-        selection_by_hand(rank, world, device, args.seq, args.k)
+        selection_by_hand(rank, world, device, args.seq, args.k, args.layout)
         train(rank, world, device, args.seq, args.k, args.steps, args.compiler)
     finally:
         dist.destroy_process_group()
