@@ -162,9 +162,11 @@ def _with_grad(kx_local: Tensor, gathered: Tensor, group) -> Tensor:
     return gathered
 
 
-def gather_keys(kx_local: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
-    """All ranks' keys [B, world*S_local, D] in global order (differentiable: backward reduce-scatters)."""
-    return _with_grad(kx_local, _start_gather(kx_local, group, async_op=False).wait(), group)
+def gather_keys(kx_local: Tensor, group: dist.ProcessGroup | None = None, layout: str = "contiguous") -> Tensor:
+    """All ranks' keys [B, world*S_local, D] in global position order (differentiable: backward reduce-scatters)."""
+    _, world = _rank_world(group)
+    gathered = _with_grad(kx_local, _start_gather(kx_local, group, async_op=False).wait(), group)
+    return _to_global_order(gathered, world, layout)
 
 
 def start_key_gather(kx_local: Tensor, group: dist.ProcessGroup | None = None) -> KeyGather:
