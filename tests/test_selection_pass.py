@@ -156,3 +156,34 @@ getitem(hyscale.select, 1)
 hyscale.select(in, in, None, 4, 0.125, True, True, 3, None, None, None, None, None, -inf, True)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "weighted_sum", "glm_dsa"])
+def test_sequence_length_changes_recompile_at_most_once(name):
+    """Automatic dynamic: the second length recompiles with symbolic T and S; later lengths reuse it."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from hyscale_compile.backend import hyscale
+
+    counter = CompileCounterWithBackend(lambda gm, ex: hyscale(gm, ex, options={"compiler": "eager"}))
+    model = indexers.REWRITE[name]()[0]
+    compiled = torch.compile(model, backend=counter)
+    for T, S in ((6, 9), (7, 11), (9, 13), (12, 16), (5, 21)):
+        torch.manual_seed(T)
+        q, k, w = torch.randn(2, T, 4, 16), torch.randn(2, S, 16), torch.randn(2, T, 4)
+        extra = (torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T),) if name == "glm_dsa" else ()
+        out, ref = compiled(q, k, w, *extra), model(q, k, w, *extra)
+        out, ref = _flat(out), _flat(ref)
+        assert out[-1].shape == ref[-1].shape
+    assert counter.frame_count <= 2, f"{counter.frame_count} compiles for 5 sequence lengths"
+    assert counters["hyscale"]["selection_rewritten"] == counter.frame_count
+
+
+def test_symbolic_triu_diagonal_is_causal():
+    model = indexers.REWRITE["deepseek_v32"]()[0]
+    reports = []
+    for T, S in ((6, 9), (7, 11)):
+        q, k, w = torch.randn(2, T, 4, 16).bfloat16(), torch.randn(2, S, 16).bfloat16(), torch.randn(2, T, 4)
+        reports += captured(model, q, k, w)[2]
+    assert [r.mask_kind for r in reports] == ["causal", "causal"]
+    assert "s" in reports[-1].shapes["q"]  # the second length compiled with symbolic sizes

@@ -197,13 +197,13 @@ def _triangle(node: fx.Node) -> Pred:
         raise _Unknown
     if op_name(base) == "full" and named_arg(base, "fill_value") in (0, False):
         raise _Unknown
-    d = named_arg(node, "diagonal", 0) or 0
-    if not isinstance(d, int):
+    d = _affine(named_arg(node, "diagonal", 0) or 0)  # an int or a symbolic size expression
+    if d.coef or d.tensors:
         raise _Unknown
     col_minus_row = Affine(coef=((-2, -1), (-1, 1)))
     if op_name(node) == "triu":  # d - (col - row) <= 0
-        return Pred((col_minus_row.neg() + Affine(const=(d,)),))
-    return Pred((col_minus_row + Affine(const=(-d,)),))  # col - row - d <= 0
+        return Pred((col_minus_row.neg() + d,))
+    return Pred((col_minus_row + d.neg(),))  # col - row - d <= 0
 
 
 def _fill_value(node: fx.Node):
