@@ -187,3 +187,20 @@ def test_fake_rule_with_symbolic_sizes():
         q, kx, w = torch.randn(1, T, 2, 8), torch.randn(1, S, 8), torch.randn(1, T, 2)
         got, want = compiled(q, kx, w), f(q, kx, w)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_backward_through_inductor_with_non_contiguous_keys():
+    """The fake rule of sparse_backward promises contiguous gradients, as the kernels return them."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 5, 3, 8, requires_grad=True)
+    kx_t = torch.randn(9, 2, 8, requires_grad=True)  # [S, B, D]: kx is a transposed view
+    w = torch.randn(2, 5, 3, requires_grad=True)
+
+    def loss(q, kx_t, w):
+        v, _ = hyscale_compile.indexer_topk(q, kx_t.transpose(0, 1), 4, weights=w, query_offset=4)
+        return v.nan_to_num(neginf=0).sum()
+
+    grads = torch.autograd.grad(torch.compile(loss, backend="inductor")(q, kx_t, w), (q, kx_t, w))
+    want = torch.autograd.grad(loss(q, kx_t, w), (q, kx_t, w))
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b)

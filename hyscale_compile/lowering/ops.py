@@ -143,8 +143,9 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
 
 @sparse_backward.register_fake
 def _(grad_values, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask):
-    dw = torch.empty_like(weights) if weights is not None else q.new_empty((0,), dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(kx), dw
+    # contiguous, like every implementation returns (empty_like would copy an input's strides)
+    dw = weights.new_empty(weights.shape) if weights is not None else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), kx.new_empty(kx.shape), dw
 
 
 
