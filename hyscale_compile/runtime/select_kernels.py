@@ -93,7 +93,8 @@ def recover_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cn
                         tl.store(buf_ptr + rid[:, None] * width + c[None, :], sentinel,
                                  mask=active[:, None] & (c < width)[None, :])
             cnt_acc = tl.zeros((BT, 16), dtype=tl.int32)
-            for b in range(B):
+            for b32 in range(B):
+                b = b32 + tl.zeros((), dtype=tl.int64)  # batch offsets pass 2**31 on large inputs
                 rb = active & (b_r == b)
                 if tl.max(rb.to(tl.int32), axis=0) > 0:
                     blo = tl.min(tl.where(rb & (hi > lo), lo, S), axis=0)

@@ -45,7 +45,7 @@ def record(device: torch.device, rows: int, nflag: Tensor, candidates: Tensor) -
 
 def read(device: torch.device | str | None = None) -> Stats:
     """Totals since the last reset, for one device (default: summed over every device seen)."""
-    devs = list(_counters) if device is None else [torch.device(device)]
+    devs = list(_counters) if device is None else [_normal(torch.device(device))]
     tot = [0] * 5
     for d in devs:
         if d in _counters:
@@ -54,6 +54,13 @@ def read(device: torch.device | str | None = None) -> Stats:
     rows = tot[_ROWS]
     return Stats(calls=tot[_CALLS], rows=rows, rows_recovered=tot[_RECOVERED], fallbacks=tot[_FALLBACKS],
                  mean_candidates=tot[_CANDIDATES] / rows if rows else 0.0)
+
+
+def _normal(d: torch.device) -> torch.device:
+    """'cuda' means the current CUDA device, as tensors name it ('cuda:0')."""
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 def reset() -> None:

@@ -90,7 +90,7 @@ def test_windows_offsets_and_fill():
     q, kx, w = inputs(B=2, T=6, S=30, seed=3)
     starts = torch.tensor([[0, 2, 5, 9, 28, 3], [1, 1, 1, 0, 7, 29]])
     ends = torch.tensor([[4, 9, 30, 10, 30, 3], [30, 2, 25, 30, 12, 30]])
-    for fill in (NEG_INF, -100.0, 0.0, 3.0):
+    for fill in (NEG_INF, -100.0, 0.0, 3.0, float("inf"), float("nan")):
         check(q, kx, w, 5, vis=Visibility(starts=starts, ends=ends), fill=fill)
     offsets = torch.tensor([3, 20])
     check(q, kx, w, 8, vis=Visibility(causal=True, offset=1, offsets=offsets, starts=starts))
