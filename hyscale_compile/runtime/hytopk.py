@@ -11,6 +11,12 @@ Every stage runs on the device and nothing reads a count on the host, so a call 
 synchronizes and can be captured in a CUDA graph. Results are exact: a row's buffer holds every
 entry of its range that ties or beats the threshold, plus its k lowest out-of-range positions
 (value ``fill``); a row is flagged whenever that set might not contain its top k.
+
+Recovery and the "full path" past 64 flagged rows are one mechanism: groups of 64 flagged rows
+are work items of the same radix-select launches, whose programs read the flagged count on the
+device. Up to 64 rows is one group; more rows are more groups (slower, still exact, still no
+sync); ``stats`` counts such a call as a fallback. Knobs (``knobs``) shrink the buffer or the
+target so tests can force both.
 """
 
 from __future__ import annotations
