@@ -210,10 +210,7 @@ def ensure_backend() -> None:
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
-    if "hyscale" not in torch._dynamo.list_backends(exclude_tags=()):
-        from hyscale_compile.backend import hyscale
-
-        torch._dynamo.register_backend(hyscale, name="hyscale")
+    import hyscale_compile  # noqa: F401  (registers the backend when no entry point did)
 
 
 def main() -> None:

@@ -4,7 +4,10 @@ without writing the score table.
     model = torch.compile(model, backend="hyscale")
 """
 
+from .backend import register_if_missing
 from .explain import ExplainReport, explain
 from .lowering.api import indexer_topk
+
+register_if_missing()
 
 __all__ = ["ExplainReport", "explain", "indexer_topk"]

@@ -86,3 +86,12 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=_inductor_patches(mode, rest, opts))
+
+
+def register_if_missing() -> None:
+    """Make ``backend="hyscale"`` resolve from a source checkout too (an install registers the entry point).
+
+    Registering by hand only when the name is unknown keeps Dynamo's duplicate-name check happy.
+    """
+    if "hyscale" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(hyscale, name="hyscale")
