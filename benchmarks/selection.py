@@ -87,13 +87,17 @@ def block_launch(pb, mode: int, out: torch.Tensor, split: int) -> None:
 
 def eager_indexer(q, kx, w, k, scale, offset):
     """The indexer as model code writes it: upcast, einsum, relu, head-weighted sum, mask, topk."""
+    return _by_chunks(_eager_chunk, q, kx, w, k, scale, offset)
+
+
+def _by_chunks(fn, q, kx, w, k, scale, offset):
+    """Run ``fn`` over query chunks that fit the memory budget and concatenate the results."""
     B, T, H, _ = q.shape
-    S = kx.shape[1]
-    chunk = _chunk(B, T, H, S)
+    chunk = _chunk(B, T, H, kx.shape[1])
     vals, idxs = [], []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        v, i = _eager_chunk(q[:, t0:t1], kx, w[:, t0:t1], k, scale, offset + t0)
+        v, i = fn(q[:, t0:t1], kx, w[:, t0:t1], k, scale, offset + t0)
         vals.append(v)
         idxs.append(i)
     return torch.cat(vals, 1), torch.cat(idxs, 1)
@@ -121,16 +125,7 @@ def compiled_indexer(q, kx, w, k, scale, offset):
     global _compiled_chunk
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_eager_chunk)
-    B, T, H, _ = q.shape
-    S = kx.shape[1]
-    chunk = _chunk(B, T, H, S)
-    vals, idxs = [], []
-    for t0 in range(0, T, chunk):
-        t1 = min(T, t0 + chunk)
-        v, i = _compiled_chunk(q[:, t0:t1], kx, w[:, t0:t1], k, scale, offset + t0)
-        vals.append(v)
-        idxs.append(i)
-    return torch.cat(vals, 1), torch.cat(idxs, 1)
+    return _by_chunks(_compiled_chunk, q, kx, w, k, scale, offset)
 
 
 def guarded(fn, notes: list, name: str):

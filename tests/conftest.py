@@ -8,6 +8,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Without a GPU every Triton kernel runs in the interpreter; this must happen before any test module
+    # imports a kernel (the mode is fixed when a kernel is decorated).
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "kernels"))
+    import triton_interpret  # noqa: E402, F401
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

@@ -95,16 +95,23 @@ def _site(node: fx.Node) -> Site:
     return _sort_site(node) if op_name(node) == "sort" else _topk_site(node)
 
 
-def _sort_site(node: fx.Node) -> Site:
-    """``sort(score, descending=True)`` read only through ``[..., :k]`` slices: a top-k, ties by position."""
+def _input_and_dim(node: fx.Node) -> tuple[fx.Node, int, int]:
+    """The selected tensor, its rank and the (non-negative) dim selected along, for topk and sort."""
     score = arg(node, 0, "input")
     if not isinstance(score, fx.Node) or shape(score) is None:
-        raise Reject("sort input is not a tensor of this graph", node)
+        raise Reject(f"the {op_name(node)} input is not a tensor of this graph", node)
     ndim = len(shape(score))
     dim = named_arg(node, "dim", -1)
-    if not isinstance(dim, int) or not named_arg(node, "descending", False):
-        raise Reject("the sort is not a descending sort along a constant dim", node)
-    s_dim = normalize_dim(dim, ndim)
+    if not isinstance(dim, int):
+        raise Reject(f"the {op_name(node)} dim is not a constant", node)
+    return score, ndim, normalize_dim(dim, ndim)
+
+
+def _sort_site(node: fx.Node) -> Site:
+    """``sort(score, descending=True)`` read only through ``[..., :k]`` slices: a top-k, ties by position."""
+    score, ndim, s_dim = _input_and_dim(node)
+    if not named_arg(node, "descending", False):
+        raise Reject("the sort is not a descending sort", node)
     parts, ks = ([], []), set()
     for user in node.users:
         if op_name(user) != "getitem" or user.args[1] not in (0, 1):
@@ -145,13 +152,7 @@ def _leading_slice(node: fx.Node, s_dim: int, ndim: int) -> int | None:
 
 
 def _topk_site(node: fx.Node) -> Site:
-    score = arg(node, 0, "input")
-    if not isinstance(score, fx.Node) or shape(score) is None:
-        raise Reject("top-k input is not a tensor of this graph", node)
-    ndim = len(shape(score))
-    dim = named_arg(node, "dim", -1)
-    if not isinstance(dim, int):
-        raise Reject("top-k dim is not a constant", node)
+    score, ndim, s_dim = _input_and_dim(node)
     if not named_arg(node, "largest", True):
         raise Reject("top-k with largest=False selects the lowest scores", node)
     values, indices = [], []
@@ -159,7 +160,6 @@ def _topk_site(node: fx.Node) -> Site:
         if op_name(user) != "getitem" or user.args[1] not in (0, 1):
             raise Reject(f"the top-k result is used by {user.target} directly", node)
         (values if user.args[1] == 0 else indices).append(user)
-    s_dim = normalize_dim(dim, ndim)
     gathers = [u for u in score.users if u is not node and _is_gather_at(u, score, s_dim, ndim, indices)]
     return Site(node, score, s_dim, named_arg(node, "k"), bool(named_arg(node, "sorted", True)),
                 values, indices, gathers)

@@ -21,9 +21,11 @@ target so tests can force both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,19 @@ class Knobs:
 
 
 knobs = Knobs()
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Knobs]:
+    """Set some knobs inside a block (tests force recovery with a tiny capacity this way)."""
+    old = {name: getattr(knobs, name) for name in changes}
+    for name, v in changes.items():
+        setattr(knobs, name, v)
+    try:
+        yield knobs
+    finally:
+        for name, v in old.items():
+            setattr(knobs, name, v)
 
 
 def sizes(k: int, S: int) -> tuple[int, int, int]:

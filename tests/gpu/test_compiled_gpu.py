@@ -10,7 +10,7 @@ from models import spellings
 from test_spellings import _flat, ties_by_position
 from torch._dynamo.utils import counters
 
-import hyscale_compile.runtime.hytopk  # noqa: F401  (the CUDA path must import)
+import hyscale_compile  # noqa: F401  (registers backend="hyscale" in a source checkout)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -22,17 +21,8 @@ def _mods():
     return hytopk, reference, stats
 
 
-@contextlib.contextmanager
 def knobs(**kw):
-    hytopk = _mods()[0]
-    old = {k: getattr(hytopk.knobs, k) for k in kw}
-    for k, v in kw.items():
-        setattr(hytopk.knobs, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(hytopk.knobs, k, v)
+    return _mods()[0].override(**kw)
 
 
 def exact_inputs(B, T, H, D, S, dtype=torch.bfloat16, seed=0):

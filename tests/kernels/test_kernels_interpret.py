@@ -7,7 +7,6 @@ sampled threshold, overflowing buffers, too-few candidates, and more than 64 fla
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -22,16 +21,8 @@ NEG_INF = float("-inf")
 ALL_VISIBLE = Visibility()
 
 
-@contextlib.contextmanager
 def knobs(**kw):
-    old = {k: getattr(hytopk.knobs, k) for k in kw}
-    for k, v in kw.items():
-        setattr(hytopk.knobs, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(hytopk.knobs, k, v)
+    return hytopk.override(**kw)
 
 
 @pytest.fixture(autouse=True)
