@@ -82,6 +82,16 @@ class ScaleBeforeReluIndexer(nn.Module):
         return s.topk(K, dim=-1)
 
 
+class EllipsisClampIndexer(nn.Module):
+    """einsum with '...', F.relu(inplace=True) whose result is read through the mutated tensor, clamp(min=0)."""
+
+    def forward(self, q, k, w):
+        s = torch.einsum("...thd,...sd->...ths", q, k) * 0.25
+        F.relu(s, inplace=True)  # the model keeps using ``s``, which the call mutated
+        s = (s.clamp(min=0) * w[..., None]).sum(-2)
+        return s.topk(K).indices
+
+
 class DenseWarmupIndexer(nn.Module):
     """The full score row feeds a KL loss (dense warm-up): the table is needed, the site must stay."""
 
@@ -137,6 +147,10 @@ def scale_before_relu():
     return ScaleBeforeReluIndexer(), (q, k)
 
 
+def ellipsis_clamp():
+    return EllipsisClampIndexer(), _qkw()
+
+
 def dense_warmup():
     q, k, w = _qkw()
     return DenseWarmupIndexer(), (q, k, w, torch.softmax(torch.randn(B, T, S), -1))
@@ -153,6 +167,7 @@ REWRITE = {
     "scale_folded": scale_folded,
     "scale_after_sum": scale_after_sum,
     "scale_before_relu": scale_before_relu,
+    "ellipsis_clamp": ellipsis_clamp,
 }
 REJECT = {
     "dense_warmup": dense_warmup,

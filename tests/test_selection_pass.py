@@ -151,6 +151,14 @@ getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)
 .to(getitem, torch.int32)""")
 
+    def test_ellipsis_clamp(self):
+        self.assertExpectedInline(self.golden("ellipsis_clamp"), """\
+getitem(in, [Ellipsis, None])
+.squeeze(getitem, 3)
+hyscale.select(in, in, .squeeze, 4, 0.25, True, False, 0, None, None, None, None, None, -inf, True)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)""")
+
     def test_scale_before_relu(self):
         self.assertExpectedInline(self.golden("scale_before_relu"), """\
 hyscale.select(in, in, None, 4, 0.125, True, True, 3, None, None, None, None, None, -inf, True)

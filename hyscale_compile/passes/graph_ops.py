@@ -20,6 +20,7 @@ _FUNCTIONS: dict[Any, str] = {
     operator.matmul: "matmul",
     torch.bmm: "matmul",
     torch.relu: "relu",
+    torch.clamp: "clamp",
     F.relu: "relu",
     operator.mul: "mul",
     torch.mul: "mul",
@@ -69,7 +70,8 @@ _FUNCTIONS: dict[Any, str] = {
 }
 
 _METHODS: dict[str, str] = {
-    "matmul": "matmul", "bmm": "matmul", "relu": "relu", "mul": "mul", "div": "div", "add": "add",
+    "matmul": "matmul", "bmm": "matmul", "relu": "relu", "clamp": "clamp", "clamp_min": "clamp",
+    "mul": "mul", "div": "div", "add": "add",
     "sub": "sub", "neg": "neg", "sum": "sum", "masked_fill": "masked_fill", "topk": "topk", "sort": "sort",
     "gather": "gather", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
     "squeeze": "squeeze", "expand": "expand", "view": "reshape", "reshape": "reshape", "float": "float", "to": "to",

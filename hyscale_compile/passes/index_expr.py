@@ -93,13 +93,29 @@ def _einsum_letters(node: fx.Node) -> tuple[list[tuple[fx.Node, str]], str]:
     operands = node.args[1:]
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = operands[0]
-    if not isinstance(eq, str) or "..." in eq or "->" not in eq:
-        raise Reject(f"einsum equation {eq!r} is not supported (explicit output, no '...')", node)
+    if not isinstance(eq, str) or "->" not in eq:
+        raise Reject(f"einsum equation {eq!r} is not supported (it needs an explicit output)", node)
     lhs, out = eq.replace(" ", "").split("->")
     ins = lhs.split(",")
     if len(ins) != 2 or len(operands) != 2:
         raise Reject("only two-operand einsum is part of the indexer form", node)
+    if "..." in eq:
+        ins, out = _expand_ellipsis(node, ins, out, operands)
     return list(zip(operands, ins)), out
+
+
+def _expand_ellipsis(node: fx.Node, ins: list[str], out: str, operands) -> tuple[list[str], str]:
+    """Spell '...' with letters of its own (right-aligned broadcast dims, as einsum aligns them)."""
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in "".join(ins) + out]
+    ranks = []
+    for letters, x in zip(ins, operands):
+        if shape(x) is None:
+            raise Reject("an einsum operand is not a tensor", node)
+        ranks.append(len(shape(x)) - len(letters.replace("...", "")) if "..." in letters else 0)
+    n = max(ranks)
+    dims = "".join(free[:n])
+    expanded = [letters.replace("...", dims[n - r:]) for letters, r in zip(ins, ranks)]
+    return expanded, out.replace("...", dims)
 
 
 def _matmul_letters(node: fx.Node) -> tuple[list[tuple[fx.Node, str]], str]:
@@ -230,7 +246,7 @@ def _score_and_other(node: fx.Node, s_dim: int) -> tuple[Score, object]:
         try:
             sc = interpret(cand, s_dim)
         except Reject as err:
-            last = err
+            last = last or err  # the full-shape operand's reason is the one a user needs
             continue
         return sc, (b if cand is a else a)
     raise last or Reject(f"`{node.target}` does not combine the score with a constant or a factor", node)
@@ -326,10 +342,24 @@ def _where(node: fx.Node, s_dim: int) -> Score:
 
 
 def _relu(node: fx.Node, s_dim: int) -> Score:
+    if op_name(node) == "clamp" and not _is_relu_clamp(node):
+        raise Reject("the score is clamped to a range other than [0, inf)", node)
     sc = interpret(node.args[0] if node.args else node.kwargs["input"], s_dim)
+    if sc.relu and not (sc.weights or sc.head is not None or sc.bias or sc.keep) and sc.post_scale > 0:
+        return sc.with_node(node)  # relu(c * relu(x)) == c * relu(x) for c > 0
     if sc.relu or sc.head is not None or sc.bias or sc.keep:
         raise Reject("relu is applied after the head sum or a mask, which is not the indexer form", node)
     return sc.with_node(node, relu=True)
+
+
+def _is_relu_clamp(node: fx.Node) -> bool:
+    """clamp(min=0) / clamp_min(0): ReLU spelled as a clamp."""
+    if node.target == "clamp_min":
+        low, high = node.args[1] if len(node.args) > 1 else node.kwargs.get("min"), None
+    else:
+        low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+        high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    return _scalar(low) == 0.0 and high is None
 
 
 def _sum(node: fx.Node, s_dim: int) -> Score:
@@ -421,6 +451,7 @@ _HANDLERS = {
     "einsum": _contraction,
     "matmul": _contraction,
     "relu": _relu,
+    "clamp": _relu,
     "mul": _multiply,
     "div": lambda n, s: _multiply(n, s, divide=True),
     "neg": lambda n, s: interpret(n.args[0], s).with_node(n, post_scale=-1.0),

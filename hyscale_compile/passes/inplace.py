@@ -14,6 +14,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from .graph_ops import op_name
@@ -37,7 +38,18 @@ class Undo:
 
 
 def _is_update(n: fx.Node) -> bool:
+    if n.op == "call_function" and n.target is F.relu:
+        return bool(n.kwargs.get("inplace")) or (len(n.args) > 1 and bool(n.args[1]))
     return (n.op == "call_function" and n.target in _FUNCTIONS) or (n.op == "call_method" and n.target in _METHODS)
+
+
+def _out_of_place(n: fx.Node) -> None:
+    if n.target is F.relu:
+        n.args, n.kwargs = n.args[:1], {k: v for k, v in n.kwargs.items() if k != "inplace"}
+    elif n.op == "call_function":
+        n.target = _FUNCTIONS[n.target]
+    else:
+        n.target = n.target[:-1]
 
 
 def _fresh(x) -> bool:
@@ -68,7 +80,8 @@ def functionalize_ancestors(graph: fx.Graph, root: fx.Node) -> Undo:
             if not _fresh(x) or any(_is_update(u) for u in x.users if u is not n and order[u] < order[n]):
                 continue
             undo.targets.append((n, n.target))
-            n.target = _FUNCTIONS[n.target] if n.op == "call_function" else n.target[:-1]
+            undo.args.append((n, n.args, n.kwargs))
+            _out_of_place(n)
             for u in later:
                 undo.args.append((u, u.args, u.kwargs))
                 u.args = _replace(u.args, x, n)
