@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a source checkout too
+import hyscale_compile  # noqa: E402, F401  (registers backend="hyscale" where no entry point did)
+
 SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H)
 MODES = ["hyscale", "inductor", "hyscale_noreplay", "eager"]  # most telling first when time is short
 MODE_KEYS = {"eager": "eager_ms", "inductor": "inductor_ms", "hyscale_noreplay": "hyscale_noreplay_ms",
@@ -112,7 +115,6 @@ def profiled_rescore_share(shape, D: int, k: int, device: str, dtype) -> float |
 
 def rescore_ms(inputs, k: int, iters: int, device: str) -> float:
     """Time of the rescore the replayed backward runs, at the same shapes."""
-    import hyscale_compile
 
     q, kx, w, _ = inputs
     T, S = q.shape[1], kx.shape[1]
@@ -205,14 +207,6 @@ def _guard(fn, *args):
         return f"error: {type(e).__name__}: {str(e)[:200]}"
 
 
-def ensure_backend() -> None:
-    """Make backend="hyscale" work from a source checkout too (installs register it by entry point)."""
-    root = str(Path(__file__).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import hyscale_compile  # noqa: F401  (registers the backend when no entry point did)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, print only")
@@ -223,7 +217,6 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile one hyscale step of the first shape")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "training.json"))
     args = parser.parse_args()
-    ensure_backend()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     D, k = (16, 8) if args.smoke else (128, 2048)

@@ -23,6 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a source checkout too
+import hyscale_compile  # noqa: E402, F401  (registers backend="hyscale" where no entry point did)
+
 
 class Indexer(nn.Module):
     """Lightning indexer: top-k key positions per query, and their scores (for the KL loss)."""
@@ -98,14 +101,6 @@ class DSAModel(nn.Module):
         return lm + 0.1 * index_loss
 
 
-def ensure_backend() -> None:
-    """Make backend="hyscale" work from a source checkout too (installs register it by entry point)."""
-    root = str(Path(__file__).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import hyscale_compile  # noqa: F401  (registers the backend when no entry point did)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -113,7 +108,6 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--backend", default="hyscale")
     args = parser.parse_args()
-    ensure_backend()
 
     torch.manual_seed(0)
     model = DSAModel().to(args.device)

@@ -57,6 +57,18 @@ def _inputs(vocab_size: int, batch: int, seq_len: int, padding: bool, seed: int)
     return inputs
 
 
+def _config(num_layers: int, index_topk: int, moe: bool, attn_implementation: str) -> dict:
+    """Config keywords both DSA models share (MoE from the second layer on when moe=True)."""
+    return dict(
+        _COMMON,
+        num_hidden_layers=num_layers,
+        index_topk=index_topk,
+        first_k_dense_replace=1 if moe else num_layers,
+        attn_implementation=attn_implementation,
+        experts_implementation="batched_mm",
+    )
+
+
 def _build(config_cls, model_cls, config_kwargs: dict, seed: int, dtype: torch.dtype):
     torch.manual_seed(seed)
     config = config_cls(**config_kwargs)
@@ -86,14 +98,7 @@ def tiny_deepseek_v32(
     """
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    config_kwargs = dict(
-        _COMMON,
-        num_hidden_layers=num_layers,
-        index_topk=index_topk,
-        first_k_dense_replace=1 if moe else num_layers,
-        attn_implementation=attn_implementation,
-        experts_implementation="batched_mm",
-    )
+    config_kwargs = _config(num_layers, index_topk, moe, attn_implementation)
     config_kwargs.update(config_overrides)
     model = _build(DeepseekV32Config, DeepseekV32ForCausalLM, config_kwargs, seed, dtype)
     return model, _inputs(model.config.vocab_size, batch, seq_len, padding, seed)
@@ -118,14 +123,7 @@ def tiny_glm_moe_dsa(
     """
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-    config_kwargs = dict(
-        _COMMON,
-        num_hidden_layers=num_layers,
-        index_topk=index_topk,
-        first_k_dense_replace=1 if moe else num_layers,
-        attn_implementation=attn_implementation,
-        experts_implementation="batched_mm",
-    )
+    config_kwargs = _config(num_layers, index_topk, moe, attn_implementation)
     if indexer_pattern is not None:
         assert len(indexer_pattern) == num_layers, (indexer_pattern, num_layers)
         config_kwargs["index_topk_pattern"] = indexer_pattern
