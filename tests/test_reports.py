@@ -7,6 +7,7 @@ import logging
 import os
 
 import indexers
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -77,3 +78,15 @@ def test_structured_trace_artifacts():
         trace_log.setLevel(old_level)
     text = "\n".join(str(r.msg) + str(getattr(r, "metadata", "")) for r in records)
     assert "hyscale_selection_before_graph" in text and "hyscale_selection_after_graph" in text
+
+
+def test_report_counts_the_dense_mask_the_model_scatters_indices_into():
+    pytest.importorskip("transformers")
+    from models import hf
+
+    model, inputs = hf.tiny_deepseek_v32(seq_len=16, batch=2)
+    with torch.no_grad():
+        report = hyscale_compile.explain(model, **inputs)
+    site = report.rewritten[0]
+    assert site.dense_scatter_bytes == 2 * 16 * 16  # HF's bool [B, T, S] index mask
+    assert "scatters the indices into dense tensors of 512 B" in site.reason

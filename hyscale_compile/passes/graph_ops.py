@@ -65,6 +65,7 @@ _FUNCTIONS: dict[Any, str] = {
     torch.full: "full",
     torch.ones: "ones",
     torch.zeros: "zeros",
+    torch.scatter: "scatter",
     torch.triu: "triu",
     torch.tril: "tril",
 }
@@ -76,7 +77,9 @@ _METHODS: dict[str, str] = {
     "gather": "gather", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
     "squeeze": "squeeze", "expand": "expand", "view": "reshape", "reshape": "reshape", "float": "float", "to": "to",
     "type": "to", "contiguous": "identity", "clone": "identity", "logical_not": "invert",
-    "bitwise_not": "invert", "logical_and": "and", "bitwise_and": "and", "logical_or": "or", "le": "le",
+    "bitwise_not": "invert", "scatter": "scatter", "scatter_": "scatter", "scatter_add": "scatter",
+    "scatter_add_": "scatter", "long": "to", "int": "to", "logical_and": "and", "bitwise_and": "and",
+    "logical_or": "or", "le": "le",
     "lt": "lt", "ge": "ge", "gt": "gt", "triu": "triu", "tril": "tril", "__and__": "and", "__invert__": "invert",
 }
 

@@ -20,6 +20,7 @@ class SiteReport:
     shapes: dict | None = None  # q, kx, weights, score (symbolic sizes as strings)
     mask_kind: str = "none"  # none | causal(offset) | window | mask tensor | additive tensor | combinations
     table_bytes_avoided: int | None = None  # bytes of the [T, S] (and [T, H, S]) tables no longer written
+    dense_scatter_bytes: int | None = None  # bytes of dense tensors the model scatters the indices into
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +71,7 @@ def format_table(reports: list[SiteReport]) -> str:
         return "hyscale: no top-k site found"
     rows = [("site", "decision", "k", "mask", "table avoided", "reason")]
     for r in reports:
-        avoided = "-" if r.table_bytes_avoided is None else _human(r.table_bytes_avoided)
+        avoided = "-" if r.table_bytes_avoided is None else human_bytes(r.table_bytes_avoided)
         rows.append((r.source, r.decision, r.k, r.mask_kind, avoided if r.decision == "rewritten" else "-",
                      r.reason))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)]
@@ -82,7 +83,8 @@ def format_table(reports: list[SiteReport]) -> str:
     return "\n".join(lines)
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

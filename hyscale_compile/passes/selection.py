@@ -20,7 +20,7 @@ from torch import fx
 from . import debug, inplace, masks
 from .graph_ops import arg, dtype, is_tensor, named_arg, normalize_dim, op_name, shape, source_line
 from .index_expr import Leaf, Reject, Score, interpret, positive_scale
-from .report import SiteReport, record, symbolic_bytes
+from .report import SiteReport, human_bytes, record, symbolic_bytes
 
 # Tests set HYSCALE_STRICT=1 so that an internal error fails loudly instead of skipping the site.
 STRICT = os.environ.get("HYSCALE_STRICT", "0") == "1"
@@ -70,11 +70,16 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         sc = interpret(site.score_node, site.s_dim)
         _check_readers(site, sc)
         _describe(report, site, sc)
+        report.dense_scatter_bytes = _dense_scatter_bytes(site)
         plan = masks.plan(sc)
         report.mask_kind = plan.kind
         _rewrite_or_restore(gm, site, sc, plan)
         report.decision = "rewritten"
-        report.reason = "; ".join(plan.notes) or "indexer form proven"
+        notes = list(plan.notes)
+        if report.dense_scatter_bytes:
+            dense = human_bytes(report.dense_scatter_bytes)
+            notes.append(f"the model scatters the indices into dense tensors of {dense} downstream (kept: its own)")
+        report.reason = "; ".join(notes) or "indexer form proven"
     except Reject as err:
         undo()
         report.reason = err.reason
@@ -211,6 +216,27 @@ def _describe(report: SiteReport, site: Site, sc: Score) -> None:
             per_head = symbolic_bytes(score_elems, head_size) if head_size is not None else None
             avoided += (per_head or 0) * 4
         report.table_bytes_avoided = avoided
+
+
+def _dense_scatter_bytes(site: Site) -> int | None:
+    """Bytes of dense tensors the model scatters the selected indices into (e.g. HF's [B, T, S] index mask).
+
+    That mask is the model's own choice and stays; the report makes its cost visible.
+    """
+    total, todo, seen = 0, list(site.indices), set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if op_name(user) == "to":  # .long(), .to(torch.int32): follow the indices
+                todo.append(user)
+            elif op_name(user) == "scatter" and arg(user, 2, "index") is n:
+                b = symbolic_bytes(*shape(user)) if shape(user) is not None else None
+                if b is not None:
+                    total += b * dtype(user).itemsize
+    return total or None
 
 
 def _label_size(sc: Score, label) -> object:
