@@ -92,6 +92,19 @@ class EllipsisClampIndexer(nn.Module):
         return s.topk(K).indices
 
 
+class PerGroupIndexer(nn.Module):
+    """One selection per key group ([B, G, T, S] scores: two batch dims); the keys are shared by every group
+    (einsum broadcasts them), the head weights and the padding mask are per group."""
+
+    def forward(self, q, k, w, keep):
+        t, s_len = q.shape[2], k.shape[1]
+        s = torch.relu(torch.einsum("bgthd,bsd->bgths", q, k))
+        s = torch.einsum("bgths,bgth->bgts", s, w)
+        causal = torch.arange(s_len)[None, :] <= torch.arange(t)[:, None] + (s_len - t)
+        s = s.masked_fill(~causal, float("-inf")).masked_fill(~keep[:, :, None, :], float("-inf"))
+        return s.topk(K, dim=-1)
+
+
 class DenseWarmupIndexer(nn.Module):
     """The full score row feeds a KL loss (dense warm-up): the table is needed, the site must stay."""
 
@@ -151,6 +164,13 @@ def ellipsis_clamp():
     return EllipsisClampIndexer(), _qkw()
 
 
+def per_group():
+    G = 3
+    q, w = torch.randn(B, G, T, H, D), torch.randn(B, G, T, H)
+    keep = torch.rand(B, G, S) > 0.2
+    return PerGroupIndexer(), (q, torch.randn(B, S, D), w, keep)
+
+
 def dense_warmup():
     q, k, w = _qkw()
     return DenseWarmupIndexer(), (q, k, w, torch.softmax(torch.randn(B, T, S), -1))
@@ -168,6 +188,7 @@ REWRITE = {
     "scale_after_sum": scale_after_sum,
     "scale_before_relu": scale_before_relu,
     "ellipsis_clamp": ellipsis_clamp,
+    "per_group": per_group,
 }
 REJECT = {
     "dense_warmup": dense_warmup,

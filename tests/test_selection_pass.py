@@ -159,6 +159,26 @@ hyscale.select(in, in, .squeeze, 4, 0.25, True, False, 0, None, None, None, None
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
 
+    def test_per_group(self):
+        self.assertExpectedInline(self.golden("per_group"), """\
+getitem(in, [slice(None, None, None), slice(None, None, None), None, slice(None, None, None)])
+.expand(in, 2, 3, -1, -1, -1)
+.flatten(.expand, 0, 1)
+.unsqueeze(in, 1)
+.expand(.unsqueeze, 2, 3, -1, -1)
+.flatten(.expand, 0, 1)
+.expand(in, 2, 3, -1, -1)
+.flatten(.expand, 0, 1)
+.squeeze(getitem, 2)
+.unsqueeze(.squeeze, 2)
+.expand(.unsqueeze, 2, 3, -1, -1)
+.flatten(.expand, 0, 1)
+hyscale.select(.flatten, .flatten, .flatten, 4, 1, True, True, 3, None, None, None, .flatten, None, -inf, True)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)
+.unflatten(getitem, 0, [2, 3])
+.unflatten(getitem, 0, [2, 3])""")
+
     def test_scale_before_relu(self):
         self.assertExpectedInline(self.golden("scale_before_relu"), """\
 hyscale.select(in, in, None, 4, 0.125, True, True, 3, None, None, None, None, None, -inf, True)

@@ -56,7 +56,7 @@ class Score:
     key: int  # S
     contracted: int  # D
     batch: tuple[int, ...]  # labels shared by q and k
-    query_free: tuple[int, ...]  # T and (if present) H, not yet told apart
+    query_free: tuple[int, ...]  # T, H (if present) and any query-only batch dims, not yet told apart
     head: int | None = None  # the summed label, once summed
     relu: bool = False
     pre_scale: float = 1.0
@@ -74,14 +74,20 @@ class Score:
         return replace(self, nodes=self.nodes + (node,), **changes)
 
     @property
-    def summed(self) -> bool:
-        return self.head is not None or len(self.query_free) == 1
+    def masked(self) -> bool:
+        return bool(self.bias or self.keep) or self.fill is not None
 
     @property
     def query(self) -> int:
-        """T: the query label that survives the head sum."""
-        rest = [lab for lab in self.query_free if lab != self.head]
-        return rest[0]
+        """T: of the query-only dims that survive the head sum, the innermost (the others are batch dims)."""
+        rest = [lab for lab in self.dims if lab in self.query_free and lab != self.head]
+        return rest[-1]
+
+    @property
+    def batch_all(self) -> tuple[int, ...]:
+        """Every batch dim of the selection, in score order: shared ones, and query-only ones k broadcasts over."""
+        extra = {lab for lab in self.query_free if lab not in (self.head, self.query)}
+        return tuple(lab for lab in self.dims if lab in extra or lab in self.batch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,10 +177,8 @@ def _dot(node: fx.Node, query, key, out: str, d: str) -> Score:
     query_free = tuple(names[c] for c in ql if c not in kl and c != d and c != "1")
     if len(key_free) != 1:
         raise Reject("the key operand must have exactly one dimension besides batch and head_dim", node)
-    if len(query_free) not in (1, 2):
-        raise Reject("the query operand must have a query dimension and at most one head dimension", node)
-    if len(batch) > 1:
-        raise Reject("more than one batch dimension is not supported", node)
+    if not query_free:
+        raise Reject("the query operand has no dimension of its own", node)
     return Score(dims=lab(out), q=Leaf(qn, lab(ql)), k=Leaf(kn, lab(kl)), key=names[key_free[0]],
                  contracted=names[d], batch=batch, query_free=query_free, nodes=(node,))
 
@@ -193,8 +197,10 @@ def _head_sum(node: fx.Node, score, weight, out: str, h: str, s_letter: str) -> 
 
 
 def _check_head(sc: Score, head: Label, node: fx.Node) -> None:
-    if sc.head is not None or head not in sc.query_free or len(sc.query_free) != 2:
+    if sc.head is not None or head not in sc.query_free or len(sc.query_free) < 2:
         raise Reject("the score is summed over a dimension that is not the indexer's head dimension", node)
+    if sc.masked:
+        raise Reject("a mask is applied before the head sum, which is not the indexer form", node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +268,7 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
             if c == 0:
                 raise Reject("the score is divided by zero", node)
             c = 1.0 / c
-        if sc.relu or sc.summed:
+        if sc.relu or sc.head is not None:
             return sc.with_node(node, post_scale=sc.post_scale * c)
         return sc.with_node(node, pre_scale=sc.pre_scale * c)
     if isinstance(other, fx.Node) and isinstance(value(other), (torch.SymFloat, torch.SymInt)) and not divide:
@@ -278,7 +284,7 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
     before_act = not (sc.relu or sc.head is not None)
     if sc.key in leaf.labels:
         # act(f_s * q.k_s) == act(q.(f_s k_s)): a per-key factor before the activation folds into the keys
-        if before_act and set(leaf.labels) <= {sc.key, None, *sc.batch}:
+        if before_act and set(leaf.labels) <= {sc.key, None, *sc.batch}:  # k's own batch dims only
             return sc.with_node(node, key_pre=sc.key_pre + (leaf,))
         raise Reject("the score is multiplied by a factor that varies with the key position after the "
                      "activation or with the query too", node)
@@ -287,18 +293,12 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
     return sc.with_node(node, pre=sc.pre + (leaf,))
 
 
-def _require_summed(sc: Score, node: fx.Node, what: str) -> None:
-    if not sc.summed:
-        raise Reject(f"the {what} is applied before the head sum, which is not the indexer form", node)
-
-
 def _add(node: fx.Node, s_dim: int) -> Score:
     if named_arg(node, "alpha", 1) != 1:
         raise Reject("add with alpha != 1 is not supported on the score", node)
     sc, other = _score_and_other(node, s_dim)
     if not is_tensor(other):
         raise Reject("a constant is added to the score (only mask tensors are supported)", node)
-    _require_summed(sc, node, "additive mask")
     leaf = _align(sc, node, other)
     if sc.fill is not None and sc.fill != float("-inf"):
         raise Reject("an additive mask follows a masked fill with a finite value", node)
@@ -316,7 +316,6 @@ def _fill(sc: Score, node: fx.Node, value) -> Score:
 
 def _masked_fill(node: fx.Node, s_dim: int) -> Score:
     sc = interpret(node.args[0], s_dim)
-    _require_summed(sc, node, "mask")
     cond = named_arg(node, "mask")
     leaf = _align(sc, node, cond)
     filled = _fill(sc, node, named_arg(node, "value"))
@@ -331,7 +330,6 @@ def _where(node: fx.Node, s_dim: int) -> Score:
         sc, negate, value = interpret(b, s_dim), True, a
     else:
         raise Reject("torch.where on the score must choose between the score and a constant", node)
-    _require_summed(sc, node, "mask")
     leaf = replace(_align(sc, node, cond), negate=negate)
     filled = _fill(sc, node, value)
     return replace(filled, keep=sc.keep + (leaf,))

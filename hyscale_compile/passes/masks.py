@@ -269,33 +269,36 @@ class MaskPlan:
     def kind(self) -> str:
         return " + ".join(self.kinds) or "none"
 
-    def emit(self, graph: fx.Graph, order: tuple, canonical) -> tuple[fx.Node | None, fx.Node | None]:
-        """Insert the nodes computing the op's offset, bool mask and bias; return (mask, bias)."""
+    def emit(self, graph: fx.Graph, place, T, S) -> tuple[fx.Node | None, fx.Node | None]:
+        """Insert the nodes computing the op's offset, windows, bool mask and bias; return (mask, bias).
+
+        ``place(graph, node, labels, rest)`` lays a tensor out as [batch, *rest] (batch may broadcast).
+        """
         self.offset = _emit_sum(graph, self.offset_terms)
-        rows = tuple(lab for lab in order[:2])  # (batch, query)
-        self.starts = _emit_row(graph, self.window_start, rows, canonical)
-        self.ends = _emit_row(graph, self.window_end, rows, canonical)
+        self.starts = _emit_row(graph, self.window_start, (T,), place)
+        self.ends = _emit_row(graph, self.window_end, (T,), place)
+        order = (T, S)
         mask = None
         for leaf in self.keep:
             if leaf.negate and op_name(leaf.node) == "invert":  # masked_fill(~visible, ...): use visible
                 leaf = Leaf(leaf.node.args[0], leaf.labels)
-            m = canonical(graph, leaf.node, leaf.labels, order)
+            m = place(graph, leaf.node, leaf.labels, order)
             if leaf.negate:
                 m = graph.call_function(torch.logical_not, (m,))
             mask = m if mask is None else graph.call_function(torch.logical_and, (mask, m))
         bias = None
         for leaf in self.bias:
-            b = canonical(graph, leaf.node, leaf.labels, order)
+            b = place(graph, leaf.node, leaf.labels, order)
             bias = b if bias is None else graph.call_function(torch.add, (bias, b))
         return mask, bias
 
 
-def _emit_row(graph: fx.Graph, bound: tuple | None, rows: tuple, canonical) -> fx.Node | None:
+def _emit_row(graph: fx.Graph, bound: tuple | None, rows: tuple, place) -> fx.Node | None:
     """A [B, T] (or broadcastable) int64 tensor: the row tensor plus its constant terms."""
     if bound is None:
         return None
     leaf, terms = bound
-    node = canonical(graph, leaf.node, leaf.labels, rows)
+    node = place(graph, leaf.node, leaf.labels, rows)
     node = graph.call_method("to", (node, torch.int64))
     c = _emit_sum(graph, terms)
     if not (isinstance(c, int) and c == 0):
@@ -348,7 +351,7 @@ def _window(p: Pred, leaf: Leaf, sc: Score) -> tuple | None:
         coefs = {leaf.labels[n + d]: v for d, v in e.coef}
         sign, node, dims = e.tensors[0]
         labels = tuple(leaf.labels[n + d] for d in dims)
-        if set(labels) - {sc.query, None, *sc.batch} or coefs not in ({sc.key: -1}, {sc.key: 1}):
+        if set(labels) - {sc.query, None, *sc.batch_all} or coefs not in ({sc.key: -1}, {sc.key: 1}):
             return None
         row = Leaf(node, labels)
         if coefs[sc.key] == -1 and sign == 1:  # -s + X + c <= 0  <=>  s >= X + c

@@ -296,9 +296,50 @@ def _canonical(graph: fx.Graph, node: fx.Node, labels: tuple, order: tuple) -> f
     return node
 
 
-def _factors(graph: fx.Graph, leaves: tuple[Leaf, ...], order: tuple) -> tuple[fx.Node | None, list]:
-    """The product of tensor factors in canonical layout, and the symbolic numbers, kept apart."""
-    tensors = [_canonical(graph, *_peel(f), order) for f in leaves if f.labels or is_tensor(f.node)]
+@dataclass
+class Batching:
+    """How the score's batch dims become the op's one batch dim.
+
+    One (or no) batch dim: it is the op's batch. Several (e.g. [B, G, T, S] per-group selection): every
+    input is laid out with all of them, expanded to full size and flattened into one; the outputs are
+    unflattened. An input that has none of them broadcasts as a size-1 batch (no copy).
+    """
+
+    labels: tuple
+    sizes: tuple  # per label: an int or a node computing the (symbolic) size
+
+    def place(self, graph: fx.Graph, node: fx.Node, labels: tuple, rest: tuple, full: bool = False) -> fx.Node:
+        if len(self.labels) <= 1:
+            return _canonical(graph, node, labels, (self.labels[0] if self.labels else None, *rest))
+        if not full and not set(self.labels) & set(labels):
+            return _canonical(graph, node, labels, (None, *rest))
+        x = _canonical(graph, node, labels, (*self.labels, *rest))
+        x = graph.call_method("expand", (x, *self.sizes, *([-1] * len(rest))))
+        return graph.call_method("flatten", (x, 0, len(self.labels) - 1))
+
+    def restore(self, graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, tuple]:
+        """From the op's [B', T, k] to [*batch, T, k]; returns the node and its leading labels."""
+        if len(self.labels) <= 1:
+            if not self.labels:
+                return graph.call_method("squeeze", (node, 0)), ()
+            return node, self.labels
+        return graph.call_method("unflatten", (node, 0, tuple(self.sizes))), self.labels
+
+
+def _batching(graph: fx.Graph, sc: Score) -> Batching:
+    sizes = []
+    for lab in sc.batch_all:
+        leaf = sc.q if lab in sc.q.labels else sc.k
+        i = leaf.labels.index(lab)
+        size = shape(leaf.node)[i]
+        sizes.append(size if isinstance(size, int) else graph.call_method("size", (leaf.node, i)))
+    return Batching(sc.batch_all, tuple(sizes))
+
+
+def _factors(graph: fx.Graph, leaves: tuple[Leaf, ...], rest: tuple, batching: Batching
+             ) -> tuple[fx.Node | None, list]:
+    """The product of tensor factors laid out [batch, *rest], and the symbolic numbers, kept apart."""
+    tensors = [batching.place(graph, *_peel(f), rest) for f in leaves if f.labels or is_tensor(f.node)]
     numbers = [f.node for f in leaves if not (f.labels or is_tensor(f.node))]
     product = None
     for t in tensors:
@@ -320,23 +361,23 @@ def _rewrite_or_restore(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.M
 def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) -> None:
     graph = gm.graph
     scale = positive_scale(sc, site.topk)
-    batch = sc.batch[0] if sc.batch else None
     T, H, S, D = sc.query, sc.head, sc.key, sc.contracted
-    if {lab for lab in sc.dims if lab is not None} != {lab for lab in (batch, T, S) if lab is not None}:
-        raise Reject("the selected tensor is not laid out as [batch, query, key]", site.topk)
+    if {lab for lab in sc.dims if lab is not None} != {*sc.batch_all, T, S}:
+        raise Reject("the selected tensor is not laid out as [batch..., query, key]", site.topk)
     with graph.inserting_before(site.topk):
+        batching = _batching(graph, sc)
         qn, ql = _peel(sc.q)
         kn, kl = _peel(sc.k)
-        q = _canonical(graph, qn, ql, (batch, T, H, D))
-        k = _canonical(graph, kn, kl, (batch, S, D))
-        pre, pre_numbers = _factors(graph, sc.pre, (batch, T, H))
+        q = batching.place(graph, qn, ql, (T, H, D), full=True)
+        k = batching.place(graph, kn, kl, (S, D), full=True)
+        pre, pre_numbers = _factors(graph, sc.pre, (T, H), batching)
         if sc.pre:  # fold into q in fp32: a product of bf16 q and a factor is not bf16-exact
             q = graph.call_method("float", (q,))
         if pre is not None:
             q = graph.call_function(torch.mul, (q, graph.call_method("unsqueeze", (pre, -1))))
         for c in pre_numbers:
             q = graph.call_function(operator.mul, (q, c))
-        kpre, _ = _factors(graph, sc.key_pre, (batch, S))
+        kpre, _ = _factors(graph, sc.key_pre, (S,), batching)
         if kpre is not None:
             k = graph.call_function(torch.mul, (graph.call_method("float", (k,)),
                                                 graph.call_method("unsqueeze", (kpre, -1))))
@@ -345,16 +386,16 @@ def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) ->
         if q_dtype != k_dtype:  # one side is genuinely fp32 (or mixed 16-bit types): score both in fp32
             q = graph.call_method("float", (q,)) if q_dtype != torch.float32 else q
             k = graph.call_method("float", (k,)) if k_dtype != torch.float32 else k
-        w, w_numbers = _factors(graph, sc.weights, (batch, T, H))
+        w, w_numbers = _factors(graph, sc.weights, (T, H), batching)
         for c in w_numbers:
             w = graph.call_function(operator.mul, (w, c))
         if sc.post_scale < 0:
             w = graph.call_function(torch.neg, (w,))
         if w is not None and any(dtype(f.node) != torch.float32 for f in sc.weights):
             w = graph.call_method("float", (w,))
-        bool_mask, bias = plan.emit(graph, (batch, T, S), _canonical)
+        bool_mask, bias = plan.emit(graph, batching.place, T, S)
         values, indices = _call_select(graph, q, k, w, site, scale, sc, plan, bool_mask, bias)
-        values, indices = (_to_layout(graph, x, sc, batch, T, S) for x in (values, indices))
+        values, indices = (_to_layout(graph, x, sc, batching, T, S) for x in (values, indices))
         if dtype(site.score_node) != torch.float32:
             values = graph.call_method("to", (values, dtype(site.score_node)))
     for user in site.values + site.gathers:
@@ -398,11 +439,10 @@ def _call_select(graph, q, k, w, site: Site, scale: float, sc: Score, plan, bool
     return graph.call_function(operator.getitem, (out, 0)), graph.call_function(operator.getitem, (out, 1))
 
 
-def _to_layout(graph: fx.Graph, node: fx.Node, sc: Score, batch, T, S) -> fx.Node:
+def _to_layout(graph: fx.Graph, node: fx.Node, sc: Score, batching: Batching, T, S) -> fx.Node:
     """From the op's [B, T, k] to the layout the model's top-k produced (its score's dims, S -> k)."""
-    canon = (batch, T, S) if batch is not None else (T, S)
-    if batch is None:
-        node = graph.call_method("squeeze", (node, 0))
+    node, lead = batching.restore(graph, node)
+    canon = (*lead, T, S)
     real = [lab for lab in sc.dims if lab is not None]
     perm = [canon.index(lab) for lab in real]
     if perm != list(range(len(perm))):
@@ -411,4 +451,3 @@ def _to_layout(graph: fx.Graph, node: fx.Node, sc: Score, batch, T, S) -> fx.Nod
         if lab is None:
             node = graph.call_method("unsqueeze", (node, i))
     return node
-
