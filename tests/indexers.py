@@ -105,6 +105,15 @@ class PerGroupIndexer(nn.Module):
         return s.topk(K, dim=-1)
 
 
+class Bf16TensorFillIndexer(nn.Module):
+    """A bf16 model scoring in bf16 (no upcast), a detached score, torch.where with a 0-d tensor fill."""
+
+    def forward(self, q, k, w, keep):
+        s = (torch.relu(torch.einsum("bthd,bsd->bths", q, k)) * w[..., None].to(q.dtype)).sum(2).detach()
+        s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=s.dtype))
+        return s.topk(K).indices
+
+
 class DenseWarmupIndexer(nn.Module):
     """The full score row feeds a KL loss (dense warm-up): the table is needed, the site must stay."""
 
@@ -171,6 +180,11 @@ def per_group():
     return PerGroupIndexer(), (q, torch.randn(B, S, D), w, keep)
 
 
+def bf16_tensor_fill():
+    q, k, w = _qkw(torch.bfloat16)
+    return Bf16TensorFillIndexer(), (q, k, w, torch.rand(T, S) > 0.3)
+
+
 def dense_warmup():
     q, k, w = _qkw()
     return DenseWarmupIndexer(), (q, k, w, torch.softmax(torch.randn(B, T, S), -1))
@@ -189,6 +203,7 @@ REWRITE = {
     "scale_before_relu": scale_before_relu,
     "ellipsis_clamp": ellipsis_clamp,
     "per_group": per_group,
+    "bf16_tensor_fill": bf16_tensor_fill,
 }
 REJECT = {
     "dense_warmup": dense_warmup,

@@ -179,6 +179,18 @@ getitem(hyscale.select, 1)
 .unflatten(getitem, 0, [2, 3])
 .unflatten(getitem, 0, [2, 3])""")
 
+    def test_bf16_tensor_fill(self):
+        self.assertExpectedInline(self.golden("bf16_tensor_fill"), """\
+getitem(in, [Ellipsis, None])
+.to(getitem, torch.bfloat16)
+.squeeze(.to, 3)
+.float(.squeeze)
+.unsqueeze(in, 0)
+hyscale.select(in, in, .float, 4, 1, True, False, 0, None, None, None, .unsqueeze, None, -inf, True)
+getitem(hyscale.select, 0)
+getitem(hyscale.select, 1)
+.to(getitem, torch.bfloat16)""")
+
     def test_scale_before_relu(self):
         self.assertExpectedInline(self.golden("scale_before_relu"), """\
 hyscale.select(in, in, None, 4, 0.125, True, True, 3, None, None, None, None, None, -inf, True)

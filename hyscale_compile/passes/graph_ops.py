@@ -66,6 +66,7 @@ _FUNCTIONS: dict[Any, str] = {
     torch.ones: "ones",
     torch.zeros: "zeros",
     torch.scatter: "scatter",
+    torch.tensor: "tensor",
     torch.triu: "triu",
     torch.tril: "tril",
 }
@@ -76,7 +77,7 @@ _METHODS: dict[str, str] = {
     "sub": "sub", "neg": "neg", "sum": "sum", "masked_fill": "masked_fill", "topk": "topk", "sort": "sort",
     "gather": "gather", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
     "squeeze": "squeeze", "expand": "expand", "view": "reshape", "reshape": "reshape", "float": "float", "to": "to",
-    "type": "to", "contiguous": "identity", "clone": "identity", "logical_not": "invert",
+    "type": "to", "contiguous": "identity", "clone": "identity", "detach": "identity", "logical_not": "invert",
     "bitwise_not": "invert", "scatter": "scatter", "scatter_": "scatter", "scatter_add": "scatter",
     "scatter_add_": "scatter", "long": "to", "int": "to", "logical_and": "and", "bitwise_and": "and",
     "logical_or": "or", "le": "le",

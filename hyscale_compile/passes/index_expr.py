@@ -231,6 +231,9 @@ def _check_factor_labels(sc: Score, leaf: Leaf, node: fx.Node) -> None:
 
 
 def _scalar(x) -> float | None:
+    """A constant number: a Python number, or a 0-d ``torch.tensor(number)`` built in the graph."""
+    if isinstance(x, fx.Node) and op_name(x) == "tensor" and len(x.args) == 1 and shape(x) == ():
+        x = x.args[0]
     if isinstance(x, bool):
         return None
     if isinstance(x, numbers.Real):
@@ -324,9 +327,9 @@ def _masked_fill(node: fx.Node, s_dim: int) -> Score:
 
 def _where(node: fx.Node, s_dim: int) -> Score:
     cond, a, b = named_arg(node, "condition"), named_arg(node, "input"), named_arg(node, "other")
-    if isinstance(a, fx.Node) and is_tensor(a) and _scalar(b) is not None:
+    if isinstance(a, fx.Node) and is_tensor(a) and shape(a) and _scalar(b) is not None:
         sc, negate, value = interpret(a, s_dim), False, b
-    elif isinstance(b, fx.Node) and is_tensor(b) and _scalar(a) is not None:
+    elif isinstance(b, fx.Node) and is_tensor(b) and shape(b) and _scalar(a) is not None:
         sc, negate, value = interpret(b, s_dim), True, a
     else:
         raise Reject("torch.where on the score must choose between the score and a constant", node)

@@ -76,6 +76,9 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         _rewrite_or_restore(gm, site, sc, plan)
         report.decision = "rewritten"
         notes = list(plan.notes)
+        if dtype(site.score_node) in (torch.bfloat16, torch.float16):
+            notes.append(f"the model's score is {dtype(site.score_node)}; selection ranks the exact fp32 score, so "
+                         "near-ties its rounding would make may be picked differently")
         if report.dense_scatter_bytes:
             dense = human_bytes(report.dense_scatter_bytes)
             notes.append(f"the model scatters the indices into dense tensors of {dense} downstream (kept: its own)")
@@ -402,21 +405,23 @@ def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) ->
         user.replace_all_uses_with(values)
     for user in site.indices:
         user.replace_all_uses_with(indices)
-    for n in site.gathers + site.values + site.indices + list(site.extra) + [site.topk] + list(reversed(sc.nodes)):
+    erased = site.gathers + site.values + site.indices + list(site.extra) + [site.topk] + list(reversed(sc.nodes))
+    inputs = {a for n in erased for a in n.all_input_nodes}
+    for n in erased:
         if not n.users:
             graph.erase_node(n)
-    _erase_dead_inputs(graph, sc)
+    _erase_dead_inputs(graph, inputs - set(erased))
 
 
 # Ops that only compute tensors (no side effects): what fed the old score and is now unused can go.
 _PURE = {"unsqueeze", "transpose", "permute", "identity", "float", "to", "squeeze", "reshape", "getitem",
          "invert", "and", "or", "le", "lt", "ge", "gt", "add", "sub", "mul", "neg", "arange", "full", "ones",
-         "zeros", "triu", "tril"}
+         "zeros", "triu", "tril", "tensor", "expand"}
 
 
-def _erase_dead_inputs(graph: fx.Graph, sc: Score) -> None:
+def _erase_dead_inputs(graph: fx.Graph, roots: set[fx.Node]) -> None:
     """Erase the views, casts and mask constructions that only fed the old score (now unused)."""
-    todo = [leaf.node for leaf in (sc.q, sc.k, *sc.pre, *sc.weights, *sc.bias, *sc.keep)]
+    todo = list(roots)
     while todo:
         n = todo.pop()
         if not isinstance(n, fx.Node) or n.users or n.op != "call_function" and n.op != "call_method":
