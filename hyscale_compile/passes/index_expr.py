@@ -107,6 +107,8 @@ def _einsum_letters(node: fx.Node) -> tuple[list[tuple[fx.Node, str]], str]:
         raise Reject("only two-operand einsum is part of the indexer form", node)
     if "..." in eq:
         ins, out = _expand_ellipsis(node, ins, out, operands)
+    if any(len(set(x)) != len(x) for x in (*ins, out)):
+        raise Reject(f"einsum {eq!r} repeats a letter within one operand (a diagonal), not the indexer form", node)
     return list(zip(operands, ins)), out
 
 
@@ -212,6 +214,8 @@ def _align(sc: Score, node: fx.Node, t: fx.Node) -> Leaf:
     tshape = shape(t)
     if tshape is None or len(tshape) > len(sc.dims):
         raise Reject("a tensor combined with the score would change the score's shape", node)
+    if shape(node) is not None and shape(node) != _score_shape(node, t):
+        raise Reject("a tensor combined with the score broadcasts it to a larger shape", node)
     off = len(sc.dims) - len(tshape)
     labels = []
     for i, size in enumerate(tshape):
@@ -223,6 +227,14 @@ def _align(sc: Score, node: fx.Node, t: fx.Node) -> Leaf:
         else:
             labels.append(lab)
     return Leaf(t, tuple(labels))
+
+
+def _score_shape(node: fx.Node, other: fx.Node) -> tuple | None:
+    """The shape of the score operand of a binary op (the tensor operand that is not ``other``)."""
+    for a in node.all_input_nodes:
+        if a is not other and shape(a) is not None and len(shape(a)) == len(shape(node)):
+            return shape(a)
+    return shape(node)
 
 
 def _check_factor_labels(sc: Score, leaf: Leaf, node: fx.Node) -> None:
@@ -261,6 +273,19 @@ def _score_and_other(node: fx.Node, s_dim: int) -> tuple[Score, object]:
     raise last or Reject(f"`{node.target}` does not combine the score with a constant or a factor", node)
 
 
+def _scaled(sc: Score, node: fx.Node, c: float) -> Score:
+    """Multiply the score by the constant ``c`` (before or after the activation, as it stands)."""
+    if sc.masked:
+        # c * fill must stay the fill and the biases would need scaling too: only a positive c on a score
+        # whose masked entries are infinite and that has no additive mask is still the same selection
+        if c <= 0 or sc.bias or (sc.fill is not None and abs(sc.fill) != float("inf")):
+            raise Reject("the score is scaled after a mask, which changes the masked values", node)
+        return sc.with_node(node, post_scale=sc.post_scale * c)
+    if sc.relu or sc.head is not None:
+        return sc.with_node(node, post_scale=sc.post_scale * c)
+    return sc.with_node(node, pre_scale=sc.pre_scale * c)
+
+
 def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
     sc, other = _score_and_other(node, s_dim)
     if divide and other is node.args[0]:
@@ -271,10 +296,10 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
             if c == 0:
                 raise Reject("the score is divided by zero", node)
             c = 1.0 / c
-        if sc.relu or sc.head is not None:
-            return sc.with_node(node, post_scale=sc.post_scale * c)
-        return sc.with_node(node, pre_scale=sc.pre_scale * c)
+        return _scaled(sc, node, c)
     if isinstance(other, fx.Node) and isinstance(value(other), (torch.SymFloat, torch.SymInt)) and not divide:
+        if sc.masked:
+            raise Reject("the score is scaled by a symbolic number after a mask", node)
         # a symbolic number (e.g. a float attribute under dynamic=True): its sign is unknown, so it is
         # folded into q before the activation or into the weights after it, never into the scale
         leaf = Leaf(other, ())
@@ -283,6 +308,8 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
         return sc.with_node(node, pre=sc.pre + (leaf,))
     if divide or not is_tensor(other):
         raise Reject("the score is scaled by a value that is not a constant number", node)
+    if sc.masked:
+        raise Reject("the score is multiplied by a tensor after a mask, so the mask's values would change", node)
     leaf = _align(sc, node, other)
     before_act = not (sc.relu or sc.head is not None)
     if sc.key in leaf.labels:
@@ -455,7 +482,7 @@ _HANDLERS = {
     "clamp": _relu,
     "mul": _multiply,
     "div": lambda n, s: _multiply(n, s, divide=True),
-    "neg": lambda n, s: interpret(n.args[0], s).with_node(n, post_scale=-1.0),
+    "neg": lambda n, s: _scaled(interpret(n.args[0], s), n, -1.0),
     "sum": _sum,
     "add": _add,
     "masked_fill": _masked_fill,

@@ -23,6 +23,10 @@ _FUNCTIONS = {operator.iadd: operator.add, operator.imul: operator.mul, operator
               operator.isub: operator.sub, torch.relu_: torch.relu}
 _METHODS = {"relu_", "mul_", "div_", "add_", "sub_", "masked_fill_"}
 _VIEWS = {"transpose", "permute", "unsqueeze", "squeeze", "reshape", "getitem", "expand"}
+# Users that provably make a new tensor (never an alias): reading before the update is then harmless.
+# (.float()/.to()/.contiguous()/.detach() may return their input itself, so they are not here.)
+_FRESH_RESULT = {"relu", "clamp", "mul", "div", "add", "sub", "neg", "sum", "einsum", "matmul", "masked_fill",
+                 "where", "topk", "sort", "gather", "and", "or", "le", "lt", "ge", "gt", "invert"}
 
 
 @dataclass
@@ -52,18 +56,21 @@ def _out_of_place(n: fx.Node) -> None:
         n.target = n.target[:-1]
 
 
-def _fresh(x) -> bool:
+def _fresh(x, update: fx.Node, order: dict) -> bool:
     """A tensor this graph computed, with no alias that is read again (so no one else sees the update).
 
     ``x`` may be a view (e.g. a transpose) when every tensor under it is read only by the next view.
     """
-    if not isinstance(x, fx.Node) or any(op_name(u) in _VIEWS or u.op == "output" for u in x.users):
+    if not isinstance(x, fx.Node) or any(
+            u is not update and op_name(u) not in _FRESH_RESULT and order[u] < order[update] for u in x.users):
         return False
-    while op_name(x) in _VIEWS:
+    if any(u.op == "output" or op_name(u) in _VIEWS or op_name(u) == "identity" for u in x.users):
+        return False
+    while op_name(x) in _VIEWS or op_name(x) in ("identity", "float", "to"):
         x = x.args[0]
         if not isinstance(x, fx.Node) or len(x.users) != 1:
             return False
-    return x.op in ("call_function", "call_method")
+    return op_name(x) in _FRESH_RESULT or op_name(x) in ("full", "ones", "zeros", "arange")  # a new tensor
 
 
 def functionalize_ancestors(graph: fx.Graph, root: fx.Node) -> Undo:
@@ -77,7 +84,7 @@ def functionalize_ancestors(graph: fx.Graph, root: fx.Node) -> Undo:
         for n in sorted((u for a in ancestors for u in a.users if _is_update(u)), key=order.get):
             x = n.args[0]
             later = [u for u in x.users if u is not n and order[u] > order[n]]
-            if not _fresh(x) or any(_is_update(u) for u in x.users if u is not n and order[u] < order[n]):
+            if not _fresh(x, n, order) or any(_is_update(u) for u in x.users if u is not n and order[u] < order[n]):
                 continue
             undo.targets.append((n, n.target))
             undo.args.append((n, n.args, n.kwargs))

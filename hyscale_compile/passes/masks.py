@@ -95,6 +95,8 @@ def _affine_or_pred(node) -> Affine | Pred:
     if name == "expand":  # broadcasting to a larger shape keeps every position's value
         return _affine_or_pred(node.args[0])
     if name in ("add", "sub"):
+        if named_arg(node, "alpha", 1) != 1:
+            raise _Unknown
         a, b = (_affine(x) for x in (node.args[0], node.args[1]))
         return a + (b.neg() if name == "sub" else b)
     if name == "mul":
@@ -125,7 +127,7 @@ def _affine_or_pred(node) -> Affine | Pred:
         return Pred((p.leq_zero[0].neg() + Affine(const=(1,)),))  # not(e <= 0)  <=>  -e + 1 <= 0
     if name in ("triu", "tril"):
         return _triangle(node)
-    if is_tensor(node) and not dtype(node).is_floating_point and dtype(node) != torch.bool:
+    if is_tensor(node) and dtype(node) in (torch.int32, torch.int64):  # narrower ints could wrap around
         dims = tuple(range(-len(shape(node)), 0))
         return Affine(tensors=((1, node, dims),))
     raise _Unknown

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from . import debug, inplace, masks
-from .graph_ops import arg, dtype, is_tensor, named_arg, normalize_dim, op_name, shape, source_line
+from .graph_ops import arg, dtype, is_one, is_tensor, named_arg, normalize_dim, op_name, shape, source_line
 from .index_expr import Leaf, Reject, Score, interpret, positive_scale
 from .report import SiteReport, human_bytes, record, symbolic_bytes
 
@@ -69,6 +69,7 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         report.k = str(site.k)
         sc = interpret(site.score_node, site.s_dim)
         _check_readers(site, sc)
+        _check_no_mutation_between(site, sc)
         _describe(report, site, sc)
         report.dense_scatter_bytes = _dense_scatter_bytes(site)
         plan = masks.plan(sc)
@@ -115,10 +116,14 @@ def _input_and_dim(node: fx.Node) -> tuple[fx.Node, int, int]:
     return score, ndim, normalize_dim(dim, ndim)
 
 
+def _writes_out(node: fx.Node) -> bool:
+    return node.kwargs.get("out") is not None
+
+
 def _sort_site(node: fx.Node) -> Site:
     """``sort(score, descending=True)`` read only through ``[..., :k]`` slices: a top-k, ties by position."""
     score, ndim, s_dim = _input_and_dim(node)
-    if not named_arg(node, "descending", False):
+    if _writes_out(node) or not named_arg(node, "descending", False):
         raise Reject("the sort is not a descending sort", node)
     parts, ks = ([], []), set()
     for user in node.users:
@@ -161,6 +166,8 @@ def _leading_slice(node: fx.Node, s_dim: int, ndim: int) -> int | None:
 
 def _topk_site(node: fx.Node) -> Site:
     score, ndim, s_dim = _input_and_dim(node)
+    if _writes_out(node):
+        raise Reject("top-k writes into out= tensors", node)
     if not named_arg(node, "largest", True):
         raise Reject("top-k with largest=False selects the lowest scores", node)
     values, indices = [], []
@@ -198,6 +205,32 @@ def _check_readers(site: Site, sc: Score) -> None:
             if user not in chain:
                 raise Reject(f"an intermediate of the score ({n.name}, e.g. the per-head scores) is read by "
                              f"{_what(user)} at {source_line(user)}", site.topk)
+
+
+def _check_no_mutation_between(site: Site, sc: Score) -> None:
+    """The op reads q, k, weights and masks where the top-k stands; nothing may change them in between."""
+    order = {n: i for i, n in enumerate(site.topk.graph.nodes)}
+    first = min(order[n] for n in sc.nodes)
+    for n in site.topk.graph.nodes:
+        if first < order[n] < order[site.topk] and mutates(n):
+            raise Reject(f"{_what(n)} at {source_line(n)} may change a tensor between the score and the "
+                         "selection", site.topk)
+
+
+def mutates(n: fx.Node) -> bool:
+    """Conservatively: could this call write into an existing tensor?"""
+    if n.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if n.op == "call_module" or n.kwargs.get("out") is not None or n.kwargs.get("inplace"):
+        return True
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator"):
+        return n.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                            operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
+                            operator.ipow)  # and_, or_, not_ ... are not in-place
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._schema.is_mutable
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
 
 
 def _what(node: fx.Node) -> str:
@@ -329,6 +362,19 @@ class Batching:
         return graph.call_method("unflatten", (node, 0, tuple(self.sizes))), self.labels
 
 
+def _check_inputs(sc: Score, node: fx.Node) -> None:
+    """Inputs the op takes as they are: 16/32-bit floats, and keys that carry the queries' batch."""
+    ok = (torch.bfloat16, torch.float16, torch.float32)
+    for leaf in (sc.q, sc.k, *sc.pre, *sc.key_pre, *sc.weights):
+        if is_tensor(leaf.node) and dtype(leaf.node) not in ok:
+            raise Reject(f"an input of the score is {dtype(leaf.node)}; the selection computes in float32, "
+                         "less precisely than the model", node)
+    for lab in sc.batch:
+        qs, ks = shape(sc.q.node)[sc.q.labels.index(lab)], shape(sc.k.node)[sc.k.labels.index(lab)]
+        if is_one(qs) and not is_one(ks):
+            raise Reject("the queries broadcast over the keys' batch dimension", node)
+
+
 def _batching(graph: fx.Graph, sc: Score) -> Batching:
     sizes = []
     for lab in sc.batch_all:
@@ -367,6 +413,7 @@ def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) ->
     T, H, S, D = sc.query, sc.head, sc.key, sc.contracted
     if {lab for lab in sc.dims if lab is not None} != {*sc.batch_all, T, S}:
         raise Reject("the selected tensor is not laid out as [batch..., query, key]", site.topk)
+    _check_inputs(sc, site.topk)
     with graph.inserting_before(site.topk):
         batching = _batching(graph, sc)
         qn, ql = _peel(sc.q)
@@ -401,8 +448,12 @@ def _rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan) ->
         values, indices = (_to_layout(graph, x, sc, batching, T, S) for x in (values, indices))
         if dtype(site.score_node) != torch.float32:
             values = graph.call_method("to", (values, dtype(site.score_node)))
-    for user in site.values + site.gathers:
-        user.replace_all_uses_with(values)
+    for i, user in enumerate(site.values + site.gathers):
+        if i == 0:
+            user.replace_all_uses_with(values)
+        else:
+            with graph.inserting_before(site.topk):
+                user.replace_all_uses_with(graph.call_method("clone", (values,)))
     for user in site.indices:
         user.replace_all_uses_with(indices)
     erased = site.gathers + site.values + site.indices + list(site.extra) + [site.topk] + list(reversed(sc.nodes))

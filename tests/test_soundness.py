@@ -1,0 +1,176 @@
+"""Adversarial models: every site the pass rewrites must compute what eager computes; the others are left
+alone and still run. Inputs are tie-free (positive q and k, random weights), so results compare exactly.
+
+Each case was a wrong result or a crash before its fix (found by an adversarial review of the pass).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyscale_compile
+
+B, T, H, D, S, K = 2, 5, 3, 8, 7, 4
+NEG = float("-inf")
+
+
+def _qkw(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, H, D, generator=g).abs(), torch.randn(B, S, D, generator=g).abs(),
+            torch.rand(B, T, H, generator=g) + 0.1)
+
+
+def _dots(q, k):
+    return torch.einsum("bthd,bsd->bths", q, k)
+
+
+def _score(q, k, w):
+    return torch.einsum("bths,bth->bts", torch.relu(_dots(q, k)), w)
+
+
+def _visible():
+    """Causal with every row seeing at least K keys (masked picks would tie)."""
+    return torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (K - 1)
+
+
+def relu_of_negated(q, k, w):
+    return torch.einsum("bths,bth->bts", torch.relu(-_dots(q, k)), w).topk(K)
+
+
+def double_negation(q, k, w):
+    negated = -_score(q, k, w)
+    return (-negated).topk(K)
+
+
+def negated_scaled_values(q, k, w):
+    return (-(torch.einsum("bths,bth->bts", torch.relu(_dots(q, k)), -w) * 2.0)).topk(K)
+
+
+def scale_after_bias(q, k, w):
+    bias = torch.linspace(-5, 5, T * S).view(T, S)
+    return ((_score(q, k, w) + bias) * 3.0).topk(K)
+
+
+def finite_fill_then_scale(q, k, w):
+    return (_score(q, k, w).masked_fill(~_visible(), -1.0) * 2.0).topk(K)
+
+
+def infinite_fill_then_negate(q, k, w):
+    return (-(_score(q, k, -w).masked_fill(~_visible(), NEG))).topk(K)
+
+
+def positive_scale_after_causal_fill(q, k, w):
+    return (_score(q, k, w).masked_fill(~_visible(), NEG) * 0.5).topk(K)
+
+
+def cache_write_between(q, kc, w):
+    s = _score(q, kc, w)
+    kc[:, 0] = 10.0
+    return s.topk(K)
+
+
+def weights_mutated_between(q, k, w):
+    s = (torch.relu(_dots(q, k)) * w[..., None]).sum(2)
+    w.mul_(-1)
+    return s.topk(K)
+
+
+def alias_of_mask_mutated(q, k, w):
+    b = torch.zeros(T, S)
+    b2 = b.detach()
+    b.masked_fill_(torch.arange(S)[None, :] > torch.arange(T)[:, None] + (K - 1), NEG)
+    return (_score(q, k, w) + b2).topk(K)
+
+
+def gather_mutated(q, k, w):
+    s = _score(q, k, w)
+    v, i = s.topk(K)
+    g = s.gather(-1, i)
+    g.mul_(2.0)
+    return v, g
+
+
+def mask_with_alpha(q, k, w):
+    vis = torch.arange(S)[None, :] <= torch.add(torch.arange(T)[:, None], 3, alpha=2)
+    return _score(q, k, w).masked_fill(~vis, NEG).topk(K)
+
+
+def topk_out(q, k, w, ov, oi):
+    torch.topk(_score(q, k, w), K, out=(ov, oi))
+    return ov, oi
+
+
+def mask_broadcasts_score(q, k, w):
+    return _score(q[:1], k[:1], w[:1]).masked_fill(torch.arange(3 * T * S).view(3, T, S) % 5 == 0, NEG).topk(K)
+
+
+def repeated_letter(q, k, w):
+    return torch.einsum("bhhd,bsd->bhs", q[:, :3], k).relu().topk(K)
+
+
+def float64_inputs(q, k, w):
+    return _score(q.double(), k.double(), w.double()).topk(K)
+
+
+def query_batch_broadcast(q, k, w):
+    return _score(q[:1], k, w[:1]).topk(K)
+
+
+def inplace_relu_chain(q, k, w):
+    s = _dots(q, k) * 0.5
+    F.relu(s, inplace=True)
+    return (s * w[..., None]).sum(2).topk(K)
+
+
+CASES = {  # name: (model, decision)
+    "relu_of_negated": (relu_of_negated, "rejected"),
+    "double_negation": (double_negation, "rewritten"),
+    "negated_scaled_values": (negated_scaled_values, "rewritten"),
+    "scale_after_bias": (scale_after_bias, "rejected"),
+    "finite_fill_then_scale": (finite_fill_then_scale, "rejected"),
+    "infinite_fill_then_negate": (infinite_fill_then_negate, "rejected"),
+    "positive_scale_after_causal_fill": (positive_scale_after_causal_fill, "rewritten"),
+    "cache_write_between": (cache_write_between, "rejected"),
+    "weights_mutated_between": (weights_mutated_between, "rejected"),
+    "alias_of_mask_mutated": (alias_of_mask_mutated, None),
+    "gather_mutated": (gather_mutated, "rewritten"),
+    "mask_with_alpha": (mask_with_alpha, "rewritten"),
+    "topk_out": (topk_out, "rejected"),
+    "mask_broadcasts_score": (mask_broadcasts_score, "rejected"),
+    "repeated_letter": (repeated_letter, "rejected"),
+    "float64_inputs": (float64_inputs, "rejected"),
+    "query_batch_broadcast": (query_batch_broadcast, "rejected"),
+    "inplace_relu_chain": (inplace_relu_chain, "rewritten"),
+}
+
+
+def _args(name):
+    q, k, w = _qkw()
+    if name == "topk_out":
+        return q, k, w, torch.empty(B, T, K), torch.empty(B, T, K, dtype=torch.long)
+    return q, k, w
+
+
+def _flat(x):
+    return [x] if isinstance(x, torch.Tensor) else [t for y in x for t in _flat(y)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rewrites_are_exact_and_the_rest_still_run(name):
+    model, decision = CASES[name]
+    report = hyscale_compile.explain(model, *_args(name))
+    if decision is not None:
+        assert [s.decision for s in report.sites] == [decision], str(report)
+    got = _flat(torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*_args(name)))
+    want = _flat(model(*_args(name)))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_mask_with_alpha_is_not_read_as_a_plain_offset():
+    report = hyscale_compile.explain(mask_with_alpha, *_args("mask_with_alpha"))
+    assert report.sites[0].mask_kind == "bool mask tensor"
