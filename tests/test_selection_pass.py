@@ -227,3 +227,14 @@ def test_symbolic_triu_diagonal_is_causal():
         reports += captured(model, q, k, w)[2]
     assert [r.mask_kind for r in reports] == ["causal", "causal"]
     assert "s" in reports[-1].shapes["q"]  # the second length compiled with symbolic sizes
+
+
+def test_decode_one_query_through_matmul_is_rewritten():
+    """T=1: Dynamo sees the query dim as a size-1 dim shared by q and k; it is still the query dim."""
+    model = indexers.REWRITE["deepseek_v32"]()[0]
+    q, k, w = torch.randn(2, 1, 4, 16).bfloat16(), torch.randn(2, 9, 16).bfloat16(), torch.randn(2, 1, 4)
+    _, _, reports = captured(model, q, k, w)
+    assert [r.decision for r in reports] == ["rewritten"]
+    out = torch.compile(model, backend="hyscale", options={"compiler": "eager"})(q, k, w)
+    ref = model(q, k, w)
+    assert_same_topk(out[0], out[1], ref[0], ref[1])

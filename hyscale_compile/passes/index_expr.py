@@ -192,10 +192,24 @@ def _head_sum(node: fx.Node, score, weight, out: str, h: str, s_letter: str) -> 
     if any(c not in names for c in wl if c != "1"):
         raise Reject("the head weights have a dimension the score does not have", node)
     head = names[h]
+    sc = _with_unit_query(sc, head)
     _check_head(sc, head, node)
     w = Leaf(wn, tuple(names.get(c) if c != "1" else None for c in wl))
     _check_factor_labels(sc, w, node)
     return sc.with_node(node, dims=tuple(names.get(c) for c in out), head=head, weights=sc.weights + (w,))
+
+
+def _with_unit_query(sc: Score, head: Label) -> Score:
+    """Decode (T=1) through matmul: the size-1 query dim was shared by q and k (read as a batch dim). When the
+    head sum would leave no query dim, the innermost batch dim of size 1 on both sides is the query dim."""
+    if sc.head is not None or tuple(sc.query_free) != (head,):
+        return sc
+    for lab in reversed(sc.dims):
+        if lab in sc.batch and all(is_one(shape(x.node)[x.labels.index(lab)]) for x in (sc.q, sc.k)):
+            k_labels = tuple(None if x == lab else x for x in sc.k.labels)
+            return replace(sc, batch=tuple(b for b in sc.batch if b != lab), query_free=(lab, head),
+                           k=replace(sc.k, labels=k_labels))
+    return sc
 
 
 def _check_head(sc: Score, head: Label, node: fx.Node) -> None:
@@ -406,6 +420,7 @@ def _sum(node: fx.Node, s_dim: int) -> Score:
         raise Reject("the score is summed over the key dimension", node)
     sc = interpret(node.args[0], in_s)
     head = sc.dims[dim]
+    sc = _with_unit_query(sc, head)
     _check_head(sc, head, node)
     dims = list(sc.dims)
     if keepdim:
@@ -442,8 +457,33 @@ def _permute(node: fx.Node, s_dim: int) -> Score:
     return sc.with_node(node, dims=tuple(sc.dims[p] for p in perm))
 
 
+def _one_dim_view(node: fx.Node, s_dim: int) -> Score | None:
+    """unsqueeze(d) / squeeze(d) move exactly one dim (a size-1 labelled dim elsewhere stays put)."""
+    src, d = node.args[0], named_arg(node, "dim")
+    if not isinstance(d, int):
+        return None
+    ins, outs = shape(src), shape(node)
+    if op_name(node) == "unsqueeze":
+        d = normalize_dim(d, len(outs))
+        if d == s_dim:
+            raise Reject("the key dimension has size 1", node)
+        sc = interpret(src, s_dim if s_dim < d else s_dim - 1)
+        return sc.with_node(node, dims=sc.dims[:d] + (None,) + sc.dims[d:])
+    d = normalize_dim(d, len(ins))
+    if not is_one(ins[d]):
+        return interpret(src, s_dim).with_node(node)  # squeezing a dim that is not 1 does nothing
+    sc = interpret(src, s_dim if s_dim < d else s_dim + 1)
+    if sc.dims[d] is not None:
+        raise Reject("a size-1 batch, query or head dimension of the score is squeezed away", node)
+    return sc.with_node(node, dims=sc.dims[:d] + sc.dims[d + 1:])
+
+
 def _reshape_like(node: fx.Node, s_dim: int) -> Score:
     """unsqueeze / squeeze / view / [None] indexing: only moves of size-1 dims are accepted."""
+    if op_name(node) in ("unsqueeze", "squeeze") and len(node.args) + len(node.kwargs) == 2:
+        one = _one_dim_view(node, s_dim)
+        if one is not None:
+            return one
     src = node.args[0]
     ins, outs = shape(src), shape(node)
     real_in = [i for i, d in enumerate(ins) if not is_one(d)]
