@@ -1,11 +1,59 @@
-"""Capture what the selection pass did to a model's Dynamo graph."""
+"""Shared test helpers: what the selection pass did to a graph, and eager runs to compare against."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import fx
 
 from hyscale_compile.passes import selection
+from hyscale_compile.runtime.reference import order_key
+
+_topk = torch.topk
+
+
+def flat(x) -> list[torch.Tensor]:
+    """Every tensor of a (nested) output, in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in flat(item)]
+
+
+def _topk_ties_by_position(input, k, dim=-1, largest=True, sorted=True, *, out=None):
+    if not largest:
+        return _topk(input, k, dim, largest, sorted)
+    idx = torch.sort(order_key(input.movedim(dim, -1)), dim=-1, descending=True, stable=True).indices[..., :k]
+    idx = idx.movedim(-1, dim)
+    return torch.return_types.topk((input.gather(dim, idx), idx))
+
+
+@contextlib.contextmanager
+def ties_by_position():
+    """Eager torch.topk breaking ties by lowest position, as the operator does (for exact comparisons)."""
+    old_fn, old_method = torch.topk, torch.Tensor.topk
+    torch.topk = torch.Tensor.topk = _topk_ties_by_position
+    try:
+        yield
+    finally:
+        torch.topk, torch.Tensor.topk = old_fn, old_method
+
+
+def topk_inputs(model, *args) -> list[torch.Tensor]:
+    """The tensors an eager run of ``model(*args)`` selects from (its dense score tables)."""
+    seen: list[torch.Tensor] = []
+    old_fn, old_method = torch.topk, torch.Tensor.topk
+
+    def spy(input, *a, **kw):
+        seen.append(input)
+        return _topk(input, *a, **kw)
+
+    torch.topk = torch.Tensor.topk = spy
+    try:
+        model(*args)
+    finally:
+        torch.topk, torch.Tensor.topk = old_fn, old_method
+    return seen
 
 
 def captured(model, *args) -> tuple[list[str], list[str], list]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import indexers
 import pytest
 import torch
-from helpers import captured
+from helpers import captured, flat, topk_inputs
 from torch._dynamo.utils import counters
 from torch.testing._internal.common_utils import TestCase
 
@@ -13,13 +13,9 @@ from hyscale_compile.passes.debug import compact
 from hyscale_compile.testing import assert_same_topk
 
 
-def _flat(out):
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
 def _compare(out, ref):
     """Outputs of the indexers: (values, indices) pairs or bare indices."""
-    out, ref = _flat(out), _flat(ref)
+    out, ref = flat(out), flat(ref)
     assert len(out) == len(ref)
     idx = [i for i, r in enumerate(ref) if not r.is_floating_point()]
     vals = [i for i, r in enumerate(ref) if r.is_floating_point() and r.dim() > 0]
@@ -49,37 +45,14 @@ def test_indices_match_dense_topk_up_to_near_ties(name):
     """Models that return only indices: compare against the dense eager scores at those indices."""
     torch.manual_seed(1)
     model, args = indexers.REWRITE[name]()
-    out = _flat(torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*args))
-    ref = _flat(model(*args))
+    out = flat(torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*args))
+    ref = flat(model(*args))
+    scores = topk_inputs(model, *args)[0].float()
     for o, r in zip(out, ref):
         if not o.is_floating_point():
             o, r = o.long(), r.long()
             # same rows, same k; sets equal except near-ties, checked through the shared rule
-            scores = _dense_scores(name, args)
-            if scores is not None:
-                assert_same_topk(scores.gather(-1, o), o, scores.gather(-1, r), r, rtol=1e-5, atol=1e-5)
-
-
-def _dense_scores(name, args):
-    """Dense eager scores for models whose output is indices only (for checking near-ties)."""
-    model_cls = indexers.REWRITE[name]()[0].__class__
-
-    class Scores(model_cls):
-        pass
-
-    captured_scores = []
-    orig_topk = torch.Tensor.topk
-
-    def spy(self, *a, **kw):
-        captured_scores.append(self)
-        return orig_topk(self, *a, **kw)
-
-    torch.Tensor.topk = spy
-    try:
-        Scores()(*args)
-    finally:
-        torch.Tensor.topk = orig_topk
-    return captured_scores[0].float() if captured_scores else None
+            assert_same_topk(scores.gather(-1, o), o, scores.gather(-1, r), r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(indexers.REJECT))
@@ -92,7 +65,7 @@ def test_rejected_sites_are_untouched(name):
     assert before == [gm.code for gm in after], "a rejected site must leave the graph byte-for-byte unchanged"
     out = torch.compile(model, backend="hyscale")(*args)
     ref = model(*args)
-    torch.testing.assert_close(_flat(out)[-1], _flat(ref)[-1])
+    torch.testing.assert_close(flat(out)[-1], flat(ref)[-1])
 
 
 def test_rejection_reasons_name_the_reader():
@@ -213,7 +186,7 @@ def test_sequence_length_changes_recompile_at_most_once(name):
         q, k, w = torch.randn(2, T, 4, 16), torch.randn(2, S, 16), torch.randn(2, T, 4)
         extra = (torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T),) if name == "glm_dsa" else ()
         out, ref = compiled(q, k, w, *extra), model(q, k, w, *extra)
-        out, ref = _flat(out), _flat(ref)
+        out, ref = flat(out), flat(ref)
         assert out[-1].shape == ref[-1].shape
     assert counter.frame_count <= 2, f"{counter.frame_count} compiles for 5 sequence lengths"
     assert counters["hyscale"]["selection_rewritten"] == counter.frame_count

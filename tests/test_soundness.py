@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import flat
 
 import hyscale_compile
 
@@ -153,18 +154,14 @@ def _args(name):
     return q, k, w
 
 
-def _flat(x):
-    return [x] if isinstance(x, torch.Tensor) else [t for y in x for t in _flat(y)]
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_rewrites_are_exact_and_the_rest_still_run(name):
     model, decision = CASES[name]
     report = hyscale_compile.explain(model, *_args(name))
     if decision is not None:
         assert [s.decision for s in report.sites] == [decision], str(report)
-    got = _flat(torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*_args(name)))
-    want = _flat(model(*_args(name)))
+    got = flat(torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*_args(name)))
+    want = flat(model(*_args(name)))
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape

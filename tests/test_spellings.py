@@ -7,44 +7,15 @@ compiled and eager can be compared exactly, padded rows and ReLU-zero ties inclu
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from helpers import captured
+from helpers import captured, flat, ties_by_position
 from models import spellings
 from torch._dynamo.utils import counters
 from torch.testing._internal.common_utils import TestCase
 
 import hyscale_compile
 from hyscale_compile.passes.debug import compact
-from hyscale_compile.runtime.reference import order_key
-
-_topk = torch.topk
-
-
-def _topk_ties_by_position(input, k, dim=-1, largest=True, sorted=True, *, out=None):
-    if not largest:
-        return _topk(input, k, dim, largest, sorted)
-    idx = torch.sort(order_key(input.movedim(dim, -1)), dim=-1, descending=True, stable=True).indices[..., :k]
-    idx = idx.movedim(-1, dim)
-    return torch.return_types.topk((input.gather(dim, idx), idx))
-
-
-@contextlib.contextmanager
-def ties_by_position():
-    old_fn, old_method = torch.topk, torch.Tensor.topk
-    torch.topk = torch.Tensor.topk = _topk_ties_by_position
-    try:
-        yield
-    finally:
-        torch.topk, torch.Tensor.topk = old_fn, old_method
-
-
-def _flat(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    return [t for item in x for t in _flat(item)]
 
 
 @pytest.mark.parametrize("name", sorted(spellings.SPELLINGS))
@@ -60,12 +31,12 @@ def test_spelling(name):
         assert all(s.reason for s in report.sites)
     counters.clear()
     if expected == "reject":  # left alone: the model must still run, and equal eager's own top-k exactly
-        out = _flat(torch.compile(module, backend="hyscale", options={"compiler": "eager"})(*inputs))
-        ref = _flat(module(*inputs))
+        out = flat(torch.compile(module, backend="hyscale", options={"compiler": "eager"})(*inputs))
+        ref = flat(module(*inputs))
     else:
-        out = _flat(torch.compile(module, backend="hyscale")(*inputs))
+        out = flat(torch.compile(module, backend="hyscale")(*inputs))
         with ties_by_position():
-            ref = _flat(module(*inputs))
+            ref = flat(module(*inputs))
     for o, r in zip(out, ref, strict=True):
         if o.is_floating_point():
             torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5, equal_nan=True)

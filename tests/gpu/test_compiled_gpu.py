@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import flat, ties_by_position
 from models import spellings
-from test_spellings import _flat, ties_by_position
 from torch._dynamo.utils import counters
 
 import hyscale_compile  # noqa: F401  (registers backend="hyscale" in a source checkout)
@@ -26,10 +26,10 @@ def _cuda(x):
 def test_compiled_spelling_on_cuda(name):
     module, inputs, _ = spellings.SPELLINGS[name](0)
     module, inputs = module.cuda(), tuple(_cuda(x) for x in inputs)
-    out = _flat(torch.compile(module, backend="hyscale")(*inputs))
+    out = flat(torch.compile(module, backend="hyscale")(*inputs))
     assert counters["hyscale"]["selection_rewritten"] == getattr(module, "SITES", 1)
     with ties_by_position():
-        ref = _flat(module(*inputs))
+        ref = flat(module(*inputs))
     for o, r in zip(out, ref, strict=True):
         assert o.device.type == "cuda"
         if o.is_floating_point():
