@@ -10,7 +10,6 @@ Every time is a median of CUDA-event timings. Writes results/selection.json and 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import datetime
 import json
@@ -26,6 +25,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hyscale_compile.runtime import (  # noqa: E402
+    final_select,
     hytopk,
     score_tile,
     stats,
@@ -35,7 +35,6 @@ from hyscale_compile.runtime.filter_kernels import (  # noqa: E402
     MODE_FLOOR,
     MODE_TABLE,
     block_kernel,
-    cdiv,
 )
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
@@ -81,7 +80,7 @@ def useful_flops(T: int, S: int, H: int) -> float:
 
 
 def block_launch(pb, mode: int, out: torch.Tensor, split: int) -> None:
-    pb.launch(block_kernel, (pb.n_tblk, pb.B, split), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, pb.lo, pb.lo, out,
+    pb.launch(block_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, pb.lo, pb.lo, out,
               pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, 0, pb.S, split, MODE=mode)
 
 
@@ -147,7 +146,7 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
     fill = float("-inf")
     notes: list[str] = []
     pb = hytopk._Problem(q, kx, w, scale, True, vis, fill)
-    split = max(1, min(cdiv(S, pb.tile.bs), cdiv(hytopk._programs(q.device), pb.n_tblk)))
+    split = hytopk.filter_split(pb)
     sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device="cuda", dtype=torch.float32)
     floor_ms = bench(lambda: block_launch(pb, MODE_FLOOR, sink, split))
 
@@ -206,28 +205,18 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
 
 
 def stage_times(pb, k: int, select) -> dict:
-    """HyTopK stage by stage: sample+threshold, filter, the filter's compare alone (no append), final topk;
-    and the filter and whole select with the matmul running count (TileConfig.prefix_dot)."""
-    buf, thr = hytopk.sample_threshold(pb, k)
+    """HyTopK stage by stage: sampling, threshold, the filter's compare alone (no append), the filter,
+    and the final select over the candidate buffers."""
+    buf, samp, msamp = hytopk.sample(pb, k)
+    thr = hytopk.threshold(pb, k, buf, samp, msamp)
     _, cap, _ = hytopk.sizes(k, pb.S)
     sink = torch.empty(pb.n_tblk * pb.B * hytopk.filter_split(pb) * pb.tile.bt, device="cuda")
-    pb_dot = copy.copy(pb)
-    pb_dot.tile = dataclasses.replace(pb.tile, prefix_dot=True)
-    out = dict(sample_threshold_ms=round(bench(lambda: hytopk.sample_threshold(pb, k)), 3),
-               filter_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap)), 3),
+    out = dict(sample_ms=round(bench(lambda: hytopk.sample(pb, k)), 3),
+               threshold_ms=round(bench(lambda: hytopk.threshold(pb, k, buf, samp, msamp)), 3),
                compare_only_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap, MODE_COUNT, sink)), 3),
-               filter_prefix_dot_ms=round(bench(lambda: hytopk.filter_rows(pb_dot, thr, buf, cap)), 3),
-               topk_ms=round(bench(lambda: torch.topk(buf, k, dim=1)), 3))
-    old = score_tile.TILE
-    score_tile.TILE = dataclasses.replace(old, prefix_dot=True)
-    try:
-        ref = select()
-        out["hytopk_prefix_dot_ms"] = round(bench(select), 3)
-    finally:
-        score_tile.TILE = old
-    base = select()
-    out["prefix_dot_same_bits"] = bool(torch.equal(base[1], ref[1]) and
-                                          torch.equal(base[0].view(torch.int32), ref[0].view(torch.int32)))
+               filter_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap)), 3))
+    full = hytopk.candidates(pb, k)
+    out["final_select_ms"] = round(bench(lambda: final_select.select_rows(full, k)), 3)
     return out
 
 
@@ -242,7 +231,7 @@ def floor_sweep(T: int, S: int, H: int, configs) -> list:
         for bt, bs, warps, stages in configs:
             score_tile.TILE = score_tile.TileConfig(bt=bt, bs=bs, warps=warps, stages=stages)
             pb = hytopk._Problem(q, kx, w, D**-0.5, True, vis, float("-inf"))
-            split = max(1, min(cdiv(S, bs), cdiv(hytopk._programs(q.device), pb.n_tblk)))
+            split = hytopk.filter_split(pb)
             sink = torch.empty(pb.n_tblk * split * bt, device="cuda")
             ms = bench(lambda pb=pb, sink=sink, split=split: block_launch(pb, MODE_FLOOR, sink, split))
             out.append(dict(T=T, S=S, H=H, bt=bt, bs=bs, warps=warps, stages=stages, floor_ms=round(ms, 3),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .score_tile import composite, order_key, score_tile, tile_values
+from .score_tile import act_fma, key_value, order_key, raw_entry, score_tile, tile_values
 
 # block_kernel modes (host side; the kernel compares the literals, jit code reads no globals)
 MODE_FLOOR = 0
@@ -37,13 +37,17 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
                  T, S, H, scale, fill, C, out_stride, SPLIT,
                  sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                 RELU: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                 ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
-                 PREFIX_DOT: tl.constexpr = False):
-    """FILTER: append (value, position) composites passing the row threshold to the row's buffer."""
-    pid_t = tl.program_id(0)
+                 APPEND: tl.constexpr = 1):
+    """FILTER: append (value, position) entries passing the row threshold to the row's buffer.
+
+    The threshold is compared as a float (x >= thr, or x is NaN: the order_key order without
+    computing keys). Tiles inside every row's range, with no mask or bias, skip the range test.
+    """
+    split = tl.program_id(0)  # fastest: the programs running together share one query block's q in L2
     b = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
+    pid_t = tl.program_id(2)
     rows_t, row_ok, rid, lo, hi, blo, bhi = _block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
     tile0 = blo // BS
     tile1 = (bhi + BS - 1) // BS
@@ -54,8 +58,11 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
     w_rows = b * swb + rows_t * swt
     kx_b = kx_ptr + b * skb
     rows_b = rows_t * 0 + b
+    lo_all = tl.max(tl.where(row_ok, lo, 0), axis=0)  # [lo_all, hi_all) is visible to every row
+    hi_all = tl.min(tl.where(row_ok, hi, S), axis=0)
+    thr = tl.full((BT,), float("inf"), tl.float32)
     if MODE >= 2:  # FILTER (and COUNT)
-        thr = tl.load(thr_ptr + rid, mask=row_ok, other=0)
+        thr = key_value(tl.load(thr_ptr + rid, mask=row_ok, other=0))
     sink = tl.zeros((BT,), dtype=tl.float32)
     # upper[c', c] = 1 for c' <= c: passed @ upper is each row's inclusive running count (exact integers)
     upper = (tl.arange(0, BS)[:, None] <= tl.arange(0, BS)[None, :]).to(tl.float16)
@@ -63,53 +70,140 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
         cols = tile * BS + tl.arange(0, BS).to(tl.int64)
         col_ok = cols < S
         acc = score_tile(q_ptr, kx_b, w_ptr, q_rows, w_rows, cols * sks, row_ok, col_ok,
-                         H, sqh, swh, scale, D, BLOCK_D, BT, BS, RELU, HAS_W, PREC)
+                         H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC)
         if MODE == 0:  # FLOOR: the arithmetic alone, one sum kept per row
             sink += tl.sum(acc, axis=1)
-        else:
+        elif MODE == 1:
             val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
                                         mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
-            if MODE == 1:
-                tl.store(out_ptr + rid[:, None] * out_stride + cols[None, :], val,
-                         mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(out_ptr + rid[:, None] * out_stride + cols[None, :], val,
+                     mask=row_ok[:, None] & col_ok[None, :])
+        else:
+            inside = (tile * BS >= lo_all) & (tile * BS + BS <= hi_all)
+            if HAS_MASK or HAS_BIAS:
+                inside = False
+            if inside:  # every entry visible: the score is the value, only the row bound matters
+                sink = _emit(acc, row_ok[:, None], thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, sink,
+                             upper, MODE, APPEND, BT, BS)
             else:
-                key = order_key(val)
-                passed = in_range & (key >= thr[:, None])
-                if MODE == 3:  # COUNT: the compare without the append (a benchmark diagnostic)
-                    sink += tl.sum(passed.to(tl.float32), axis=1)
-                elif PREFIX_DOT:
-                    _append_dot(cnt_ptr, out_ptr, rid, row_ok, passed, composite(key, cols[None, :]), C, out_stride,
-                                upper)
-                else:
-                    _append(cnt_ptr, out_ptr, rid, row_ok, passed, composite(key, cols[None, :]), C, out_stride)
+                val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
+                                            mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
+                sink = _emit(val, in_range, thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, sink,
+                             upper, MODE, APPEND, BT, BS)
     if (MODE == 0) or (MODE == 3):
-        pid = (tl.program_id(1) * tl.num_programs(0) + pid_t) * SPLIT + split
+        pid = (pid_t * tl.num_programs(1) + tl.program_id(1)) * SPLIT + split
         tl.store(out_ptr + pid.to(tl.int64) * BT + tl.arange(0, BT), sink)
 
 
 @triton.jit
-def _append(cnt_ptr, buf_ptr, rid, row_ok, passed, comp, C, stride):
-    """Append the passing entries of each row at slots reserved with one atomic add per row.
+def _emit(val, ok, thr, cols, rid, row_ok, cnt_ptr, buf_ptr, C, stride, sink, upper,
+          MODE: tl.constexpr, APPEND: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+    """Append the entries that are ``ok`` and >= their row's threshold (COUNT mode: count them)."""
+    if MODE == 3:  # the compare without the append (a benchmark diagnostic)
+        passed = ok & ((val >= thr[:, None]) | (val != val))
+        return sink + tl.sum(passed.to(tl.float32), axis=1)
+    if APPEND == 2:
+        _append_asm(cnt_ptr, buf_ptr, rid, ok, val, thr, cols, C, stride)
+    elif APPEND == 3:
+        passed = ok & ((val >= thr[:, None]) | (val != val))
+        _append_dot(cnt_ptr, buf_ptr, rid, row_ok, passed, val, cols, C, stride, upper)
+    else:
+        passed = ok & ((val >= thr[:, None]) | (val != val))
+        raw = raw_entry(val, cols[None, :])
+        if APPEND == 0:
+            _append_scan(cnt_ptr, buf_ptr, rid, row_ok, passed, raw, C, stride)
+        else:
+            _append_atomic(cnt_ptr, buf_ptr, rid, passed, raw, C, stride, BT, BS)
+    return sink
 
-    Slot order depends on scheduling; the final select sorts by the unique composite, so it never matters.
-    """
+
+@triton.jit
+def _append_scan(cnt_ptr, buf_ptr, rid, row_ok, passed, raw, C, stride):
+    """Slots from one atomic add per row and a running count along the row (a block scan)."""
     pi = passed.to(tl.int32)
     n = tl.sum(pi, axis=1)
     base = tl.atomic_add(cnt_ptr + rid, n, mask=row_ok & (n > 0))
     slot = base[:, None] + tl.cumsum(pi, axis=1) - pi
-    tl.store(buf_ptr + rid[:, None] * stride + slot, comp, mask=passed & (slot < C))
+    tl.store(buf_ptr + rid[:, None] * stride + slot, raw, mask=passed & (slot < C))
 
 
 @triton.jit
-def _append_dot(cnt_ptr, buf_ptr, rid, row_ok, passed, comp, C, stride, upper):
-    """_append with the running count from one small matmul, which stays in the score tile's layout."""
-    pf = passed.to(tl.float16)
-    incl = tl.dot(pf, upper, out_dtype=tl.float32).to(tl.int32)
-    pi = passed.to(tl.int32)
-    n = tl.sum(pi, axis=1)
-    base = tl.atomic_add(cnt_ptr + rid, n, mask=row_ok & (n > 0))
-    slot = base[:, None] + incl - pi
-    tl.store(buf_ptr + rid[:, None] * stride + slot, comp, mask=passed & (slot < C))
+def _append_atomic(cnt_ptr, buf_ptr, rid, passed, raw, C, stride, BT: tl.constexpr, BS: tl.constexpr):
+    """One relaxed atomic per passing entry hands out its slot: no scan, no cross-thread exchange.
+
+    Slot order depends on scheduling; the final select orders by (value, position), so it never matters.
+    """
+    ctr = tl.broadcast_to(cnt_ptr + rid[:, None], (BT, BS))
+    slot = tl.atomic_add(ctr, tl.full((BT, BS), 1, tl.int32), mask=passed, sem="relaxed")
+    tl.store(buf_ptr + rid[:, None] * stride + slot, raw, mask=passed & (slot < C))
+
+
+@triton.jit
+def _append_dot(cnt_ptr, buf_ptr, rid, row_ok, passed, val, cols, C, stride, upper):
+    """Slots without a scan or a per-entry atomic: each row's running count is one small MMA
+    (passed @ upper-triangular ones, exact small integers) that lands in the score tile's own layout,
+    the row's base is one relaxed atomic per row and tile, and the stores are predicated PTX."""
+    incl = tl.dot(passed.to(tl.float16), upper, out_dtype=tl.float32).to(tl.int32)
+    n = tl.sum(passed.to(tl.int32), axis=1)
+    base = tl.atomic_add(cnt_ptr + rid, n, mask=row_ok & (n > 0), sem="relaxed")
+    slot = base[:, None] + incl - 1
+    row = (buf_ptr + rid * stride).to(tl.int64)[:, None]
+    tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        .reg .b64 a, e;
+        mov.b32 $0, 0;
+        setp.ne.b32 p, $1, 0;
+        setp.lt.and.u32 p, $2, $3, p;
+        mad.wide.u32 a, $2, 8, $4;
+        mov.b64 e, {$5, $6};
+        @p st.global.b64 [a], e;
+        }
+        """,
+        "=r,r,r,r,l,r,r",
+        [passed.to(tl.int32), slot, C, row, cols.to(tl.int32)[None, :], val.to(tl.int32, bitcast=True)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _append_asm(cnt_ptr, buf_ptr, rid, ok, val, thr, cols, C, stride):
+    """_append_atomic as predicated PTX on the score tile's own registers, per entry:
+    pass = ok and (val >= thr or val is NaN)  (setp.geu: greater-equal or unordered), then one
+    relaxed atomic for the slot and one 8-byte store of {position, value bits}.
+
+    Written in PTX because tl.atomic_add / tl.store make the compiler re-lay-out 64-bit pointer and
+    value tiles through shared memory and spill; here everything per entry stays 32-bit.
+    """
+    ctr = (cnt_ptr + rid).to(tl.int64)[:, None]
+    row = (buf_ptr + rid * stride).to(tl.int64)[:, None]
+    # all atomics of the tile first, then all stores: the slots' round trips overlap instead of
+    # each store waiting for its own atomic; a failing entry's slot is 2**32 - 1 (never < C)
+    slot = tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        mov.b32 $0, -1;
+        setp.geu.f32 p, $2, $3;
+        setp.ne.and.b32 p, $1, 0, p;
+        @p atom.relaxed.gpu.global.add.u32 $0, [$4], 1;
+        }
+        """,
+        "=r,r,f,f,l", [ok.to(tl.int32), val, thr[:, None], ctr], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        .reg .b64 a, e;
+        mov.b32 $0, 0;
+        setp.lt.u32 p, $1, $2;
+        mad.wide.u32 a, $1, 8, $3;
+        mov.b64 e, {$4, $5};
+        @p st.global.b64 [a], e;
+        }
+        """,
+        "=r,r,r,l,r,r", [slot, C, row, cols.to(tl.int32)[None, :], val.to(tl.int32, bitcast=True)],
+        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -117,15 +211,15 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
                   T, S, H, scale, fill, M, samp_stride, SPLIT,
                   sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                  RELU: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                  ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Keys of M evenly spaced positions of the block's range, shared by its rows (one matmul tile).
 
     SPLIT programs share a block's samples; the per-row count of valid samples is an integer atomic sum.
     """
-    pid_t = tl.program_id(0)
+    split = tl.program_id(0)  # fastest: the programs running together share one query block's q in L2
     b = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
+    pid_t = tl.program_id(2)
     rows_t, row_ok, rid, lo, hi, blo, bhi = _block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
     bctx = tl.maximum(bhi - blo, 0)
     n = tl.minimum(bctx, M)
@@ -142,7 +236,7 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
         ok = row_ok[:, None] & j_ok[None, :]
         if j0 < n:
             acc = score_tile(q_ptr, kx_b, w_ptr, q_rows, w_rows, cols * sks, row_ok, j_ok,
-                             H, sqh, swh, scale, D, BLOCK_D, BT, BS, RELU, HAS_W, PREC)
+                             H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC)
             val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, j_ok, lo, hi, fill,
                                         mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
             ok = ok & in_range
@@ -154,7 +248,7 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
 
 @triton.jit
 def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
-                     S, k, C, target, M, samp_stride, width, fill_key,
+                     S, k, C, target, M, samp_stride, width, fill_bits,
                      SAMPLED: tl.constexpr, MB: tl.constexpr, EB: tl.constexpr):
     """Per row: the target-th best sample key as threshold (ceil(target*m/ctx)-th), then reset the
     row's candidate slots and write the first k out-of-range positions (value fill) after them.
@@ -182,16 +276,16 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
         thr = tl.where(use, a, thr)
     tl.store(thr_ptr + r, thr.to(tl.int32))
     tl.debug_barrier()  # the samples live in this row's slots: read them all before overwriting
-    sentinel = tl.full((EB,), 1, tl.int64) << 63
+    sentinel = tl.full((EB,), -1, tl.int64)  # an empty slot (no position is 2**32 - 1)
     for c0 in range(0, C, EB):
         c = c0 + tl.arange(0, EB)
         tl.store(buf_ptr + r * width + c, sentinel, mask=c < C)
     n_ext = tl.minimum(S - ctx, k)
-    fk = tl.full((EB,), 0, tl.int32) + fill_key
+    fv = (tl.full((EB,), 0, tl.int32) + fill_bits).to(tl.float32, bitcast=True)
     for j0 in range(0, k, EB):
         j = j0 + tl.arange(0, EB).to(tl.int64)
         pos = tl.where(j < lo, j, hi + (j - lo))
-        comp = tl.where(j < n_ext, composite(fk, pos), sentinel)
+        comp = tl.where(j < n_ext, raw_entry(fv, pos), sentinel)
         tl.store(buf_ptr + r * width + C + j, comp, mask=j < k)
 
 
@@ -199,12 +293,79 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
 def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_ptr, bias_ptr,
                    T, S, H, K, scale, fill,
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
+                   ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, Q_AS_A: tl.constexpr = False):
+    """Values of one query row at BJ given positions: its gathered keys times all its heads in one
+    MMA ([BJ, D] x [D, BH]), then the heads summed in order with score_tile's per-head step.
+
+    Each score is the same fp32 dot (16-bit products are exact, accumulated by the tensor core in
+    the same k order) followed by the same act + FMA chain as in the filter, so the values equal
+    select's bit for bit; the GPU tests check that, and rescore_tile_kernel is the slow cross-check.
+    """
+    r = tl.program_id(0).to(tl.int64)  # row b * T + t
+    b = r // T
+    t = r % T
+    j = tl.program_id(1).to(tl.int64) * BJ + tl.arange(0, BJ)
+    j_ok = j < K
+    cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
+    c_ok = j_ok & (cols >= 0) & (cols < S)
+    cols = tl.where(c_ok, cols, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    hh = tl.arange(0, BH)
+    if Q_AS_A:  # q rows as the MMA's A operand, keys as B: the filter's operand roles (BH >= 64)
+        kg = tl.load(kx_ptr + b * skb + cols[None, :] * sks + offs_d[:, None], mask=c_ok[None, :] & d_ok[:, None],
+                     other=0.0)
+        qa = tl.load(q_ptr + b * sqb + t * sqt + hh[:, None] * sqh + offs_d[None, :],
+                     mask=(hh < H)[:, None] & d_ok[None, :], other=0.0)
+        if PREC == "upcast":
+            s = tl.dot(qa.to(tl.float32), kg.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            s = tl.dot(qa, kg, input_precision=PREC, out_dtype=tl.float32)
+    else:
+        kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
+                     other=0.0)
+        qt = tl.load(q_ptr + b * sqb + t * sqt + hh[None, :] * sqh + offs_d[:, None],
+                     mask=(hh < H)[None, :] & d_ok[:, None], other=0.0)
+        if PREC == "upcast":
+            s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
+    acc = tl.zeros((BJ,), dtype=tl.float32)
+    for h in range(H):
+        if Q_AS_A:
+            sh = tl.sum(tl.where(hh[:, None] == h, s, 0.0), axis=0)  # row h, exactly (the rest add +0)
+        else:
+            sh = tl.sum(tl.where(hh[None, :] == h, s, 0.0), axis=1)  # column h, exactly
+        if HAS_W:
+            w = tl.load(w_ptr + b * swb + t * swt + h * swh)
+        else:
+            w = scale
+        acc = act_fma(sh, w, acc, ACT)
+    one = tl.arange(0, 1).to(tl.int64)
+    lo = tl.load(lo_ptr + r + one)
+    hi = tl.load(hi_ptr + r + one)
+    row_ok = one == 0
+    val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
+                         mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
+    v = tl.reshape(val, (BJ,))
+    v = tl.where(v != v, float("nan"), v)  # canonical NaN and +0.0, as select returns them
+    v = tl.where(v == 0.0, 0.0, v)
+    tl.store(out_ptr + r * K + j, v, mask=j_ok)
+
+
+@triton.jit
+def rescore_tile_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_ptr, bias_ptr,
+                   T, S, H, K, scale, fill,
+                   sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                   RELU: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                   ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Values at given positions: the row's block tile against the row's gathered keys, one row kept.
 
-    The tile is the same [BT, BS] product the filter computes, so each kept value is bit-identical.
+    The tile is the same [BT, BS] product the filter computes, so each kept value is bit-identical
+    by construction; it does BT times the work of rescore_kernel (kept as its cross-check).
     """
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -222,7 +383,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
             c_ok = j_ok & (cols >= 0) & (cols < S)
             cols = tl.where(c_ok, cols, 0)
             acc = score_tile(q_ptr, kx_b, w_ptr, q_rows, w_rows, cols * sks, row_ok, c_ok,
-                             H, sqh, swh, scale, D, BLOCK_D, BT, BS, RELU, HAS_W, PREC)
+                             H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC)
             val, _ = tile_values(acc, rows_b, rows_t, cols, row_ok, c_ok, lo, hi, fill,
                                  mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
             v = tl.sum(tl.where(rows_t[:, None] == t, val, 0.0), axis=0)  # exact: one term per column

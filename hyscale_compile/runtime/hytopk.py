@@ -5,7 +5,7 @@
     filter     -> score tiles on chip, append composites >= threshold            (block_kernel)
     check      -> flag rows whose buffer overflowed or may miss part of the top-k (torch, on device)
     recovery   -> flagged rows: radix select over recomputed scores              (recover_kernel)
-    select     -> top-k of each row buffer by the unique (value, position) composite
+    select     -> top-k of each row buffer by the unique (value, position) composite (final_select)
 
 Every stage runs on the device and nothing reads a count on the host, so a call never
 synchronizes and can be captured in a CUDA graph. Results are exact: a row's buffer holds every
@@ -32,9 +32,18 @@ import torch
 from torch import Tensor
 
 from . import score_tile, stats
-from .filter_kernels import MODE_FILTER, block_kernel, cdiv, rescore_kernel, sample_kernel, threshold_kernel
+from .filter_kernels import (
+    MODE_FILTER,
+    block_kernel,
+    cdiv,
+    rescore_kernel,
+    rescore_tile_kernel,
+    sample_kernel,
+    threshold_kernel,
+)
+from .final_select import select_rows, select_rows_reference
 from .reference import Visibility, order_key
-from .score_tile import block_d
+from .score_tile import act_kind, block_d
 from .select_kernels import PASSES, recover_kernel
 
 
@@ -46,6 +55,8 @@ class Knobs:
     target: int | None = None  # candidates aimed for per row (a tiny one forces too-few -> recovery)
     samples: int | None = None  # sample positions per query block
     programs: int | None = None  # programs to aim for per launch
+    rescore_tile: bool = False  # rescore through whole score tiles (slow cross-check of the row kernel)
+    rescore_q_as_a: bool = False  # row kernel with q as the MMA's first operand, like the filter
 
 
 knobs = Knobs()
@@ -95,10 +106,11 @@ def _unit_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
-def _operands(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights."""
+def _operands(q: Tensor, kx: Tensor, weights: Tensor | None,
+              scale: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights with the scale folded in."""
     dt = torch.promote_types(q.dtype, kx.dtype)
-    w = None if weights is None else weights.float()
+    w = None if weights is None else weights.float() * scale
     return _unit_last(q.to(dt)), _unit_last(kx.to(dt)), w
 
 
@@ -141,7 +153,7 @@ class _Problem:
     def __init__(self, q, kx, weights, scale, relu, vis: Visibility, fill):
         self.B, self.T, self.H, self.D = q.shape
         self.S = kx.shape[1]
-        self.q, self.kx, self.w = _operands(q, kx, weights)
+        self.q, self.kx, self.w = _operands(q, kx, weights, float(scale))
         self.device = q.device
         dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
         self.lo, self.hi = ranges(vis, self.B, self.T, self.S, self.device)
@@ -152,12 +164,14 @@ class _Problem:
         self.scale, self.fill = float(scale), float(fill)
         self.strides = (*self.q.stride()[:3], *self.kx.stride()[:2], *wstr, *mstr, *bstr)
         self.tile = tile = dataclasses.replace(score_tile.TILE)
-        self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=tile.bt, BS=tile.bs, RELU=bool(relu),
+        self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=tile.bt, BS=tile.bs, ACT=act_kind(relu, scale),
                            HAS_W=self.w is not None, PREC=_precision(self.q.dtype),
                            HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)
         self.n_tblk = cdiv(self.T, tile.bt)
 
     def launch(self, kernel, grid, *args, **extra):
+        if self.tile.maxnreg and os.environ.get("TRITON_INTERPRET") != "1":
+            extra["maxnreg"] = self.tile.maxnreg
         kernel[grid](*args, *self.strides, **self.consts, **extra, num_warps=self.tile.warps,
                      num_stages=self.tile.stages)
 
@@ -166,12 +180,8 @@ def fill_key(fill: float) -> int:
     return int(order_key(torch.tensor([fill], dtype=torch.float32))[0])
 
 
-def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
-    """Composite -> (fp32 value, int64 position); the value's bits come back from its order key."""
-    key = comp >> 32
-    pos = 4294967295 - (comp & 4294967295)
-    bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF).to(torch.int32)
-    return bits.view(torch.float32), pos
+def fill_bits(fill: float) -> int:
+    return int(torch.tensor([fill], dtype=torch.float32).view(torch.int32)[0])
 
 
 def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
@@ -183,14 +193,15 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
     buf = candidates(pb, k)
-    comp = torch.topk(buf, k, dim=1, largest=True, sorted=True).values
-    del buf  # decode's temporaries reuse the buffer's memory
-    values, indices = decode(comp)
+    # the interpreter runs the kernel too slowly for whole-select tests; tests/kernels/test_final_select.py
+    # checks it against this reference bit for bit
+    final = select_rows_reference if os.environ.get("TRITON_INTERPRET") == "1" else select_rows
+    values, indices = final(buf, k)
     return values.view(B, T, k), indices.view(B, T, k)
 
 
 def candidates(pb: _Problem, k: int) -> Tensor:
-    """Row buffers [R, C + k] of composites that contain each row's exact top k (all stages but the last)."""
+    """Row buffers [R, C + k] of raw entries that contain each row's exact top k (all stages but the last)."""
     R = pb.B * pb.T
     buf, thr = sample_threshold(pb, k)
     _, cap, _ = sizes(k, pb.S)
@@ -205,24 +216,37 @@ def candidates(pb: _Problem, k: int) -> Tensor:
 
 def sample_threshold(pb: _Problem, k: int) -> tuple[Tensor, Tensor]:
     """(row buffers reset to sentinels with the out-of-range extras in place, int32 row thresholds)."""
+    buf, samp, msamp = sample(pb, k)
+    return buf, threshold(pb, k, buf, samp, msamp)
+
+
+def sample(pb: _Problem, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(row buffers, the samples' order keys living in them, per-row count of valid samples)."""
     B, T, S = pb.B, pb.T, pb.S
     R = B * T
-    target, cap, M = sizes(k, S)
+    _, cap, M = sizes(k, S)
     width = cap + k
     dev = pb.device
     buf = torch.empty(R, width, dtype=torch.int64, device=dev)
     samp = buf.view(torch.int32)  # samples live in the row's own slots until the threshold is taken
     msamp = torch.zeros(R, dtype=torch.int32, device=dev)
-    thr = torch.empty(R, dtype=torch.int32, device=dev)
-    sampled = S > cap
-    if sampled:
-        split = max(1, min(cdiv(M, pb.tile.bs), cdiv(_programs(dev), pb.n_tblk * B)))
-        pb.launch(sample_kernel, (pb.n_tblk, B, split), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask,
+    if S > cap:
+        split = cdiv(M, pb.tile.bs)  # every sample tile its own program
+        pb.launch(sample_kernel, (split, B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask,
                   pb.bias, T, S, pb.H, pb.scale, pb.fill, M, 2 * width, split)
+    return buf, samp, msamp
+
+
+def threshold(pb: _Problem, k: int, buf: Tensor, samp: Tensor, msamp: Tensor) -> Tensor:
+    """Per-row int32 threshold keys from the samples; resets the buffers and writes the extras."""
+    R, S = pb.B * pb.T, pb.S
+    target, cap, M = sizes(k, S)
+    width = cap + k
+    thr = torch.empty(R, dtype=torch.int32, device=pb.device)
     mb = max(16, 1 << max(0, (M - 1).bit_length()))
     threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, S, k, cap, target, M, 2 * width, width,
-                           fill_key(pb.fill), SAMPLED=sampled, MB=mb, EB=1024, num_warps=8)
-    return buf, thr
+                           fill_bits(pb.fill), SAMPLED=S > cap, MB=mb, EB=1024, num_warps=8)
+    return thr
 
 
 def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MODE_FILTER,
@@ -230,15 +254,22 @@ def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MO
     """Append every in-range entry >= its row threshold to the row buffer; returns the row counts."""
     cnt = torch.zeros(pb.B * pb.T, dtype=torch.int32, device=pb.device)
     split = filter_split(pb)
-    pb.launch(block_kernel, (pb.n_tblk, pb.B, split), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, thr, cnt,
+    pb.launch(block_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, thr, cnt,
               buf if out is None else out, pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, cap,
-              buf.shape[1], split, MODE=mode, PREFIX_DOT=pb.tile.prefix_dot)
+              buf.shape[1], split, MODE=mode, APPEND=append_kind(pb))
     return cnt
 
 
+def append_kind(pb: _Problem) -> int:
+    """The PTX append only where there is PTX (the interpreter takes the portable atomic one)."""
+    a = pb.tile.append
+    return 1 if a == 2 and os.environ.get("TRITON_INTERPRET") == "1" else a
+
+
 def filter_split(pb: _Problem) -> int:
-    """Key splits per query block, so the grid fills the device."""
-    return max(1, min(cdiv(pb.S, pb.tile.bs), cdiv(_programs(pb.device), pb.n_tblk * pb.B)))
+    """Key splits per query block: enough to fill the device, and at least 32 so that the programs in
+    flight together cover few query blocks (their q stays in L2 even at H=64)."""
+    return max(1, min(cdiv(pb.S, pb.tile.bs), max(32, cdiv(_programs(pb.device), pb.n_tblk * pb.B))))
 
 
 def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> None:
@@ -258,7 +289,7 @@ def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> Non
     fk = fill_key(pb.fill)
     for p in range(PASSES + 1):
         pb.launch(recover_kernel, (nprog,), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, nflag, rows, counts, ecnt, buf,
-                  pb.mask, pb.bias, pb.B, pb.T, pb.S, pb.H, k, pb.scale, pb.fill, fk, width, R, p,
+                  pb.mask, pb.bias, pb.B, pb.T, pb.S, pb.H, k, pb.scale, pb.fill, fk, fill_bits(pb.fill), width, R, p,
                   nprog, split, per_prog, EMIT=p == PASSES)
 
 
@@ -272,9 +303,20 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
         return out
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
     idx = indices.to(torch.int64).contiguous()
-    pb.launch(rescore_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out,
-              pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
+    if knobs.rescore_tile:
+        pb.launch(rescore_tile_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx,
+                  out, pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
+        return out
+    qa = knobs.rescore_q_as_a
+    consts = dict(pb.consts, BJ=RESCORE_BJ, BH=max(64 if qa else 16, 1 << max(0, (pb.H - 1).bit_length())), Q_AS_A=qa)
+    del consts["BT"], consts["BS"]
+    rescore_kernel[(B * T, cdiv(K, RESCORE_BJ))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
+                                                 T, pb.S, pb.H, K, pb.scale, pb.fill, *pb.strides, **consts,
+                                                 num_warps=4)
     return out
+
+
+RESCORE_BJ = 64  # gathered keys per rescore program: the M of one tensor-core tile
 
 
 def peak_extra_bytes(B: int, T: int, S: int, k: int) -> int:

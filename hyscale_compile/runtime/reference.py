@@ -3,6 +3,8 @@
 This file *is* the operator contract (shared design notes, section 3) written as code:
 
     score[b, t, s] = sum_h w[b, t, h] * act(scale * dot(q[b, t, h, :], kx[b, s, :]))   (fp32)
+                   = sum_h (scale * w[b, t, h]) * act'(dot(...))   as it is evaluated: one rounding
+                     per head, act' = max(., 0) for a ReLU with scale >= 0, min(., 0) below 0
     value[b, t, s] = score[b, t, s] + bias[b, t, s]   if visible(b, t, s) else fill
     select -> the k largest values of each row, ordered by (value desc, position asc),
               NaN ranking above +inf as torch.topk ranks it, -0.0 equal to +0.0.
@@ -96,11 +98,11 @@ def _rows_per_block(B: int, H: int, S: int) -> int:
 def score_rows(q: Tensor, kx: Tensor, weights: Tensor | None, scale: float, relu: bool, t0: int, t1: int) -> Tensor:
     """fp32 scores of query rows t0:t1 against every key: [B, t1-t0, S]."""
     qb = q[:, t0:t1].float()
-    dots = torch.einsum("bthd,bsd->bths", qb, kx.float()) * scale
-    act = torch.relu(dots) if relu else dots
-    if weights is not None:
-        act = act * weights[:, t0:t1, :, None].float()
-    return act.sum(dim=2)
+    dots = torch.einsum("bthd,bsd->bths", qb, kx.float())
+    if relu:  # scale folded into the weights: scale * min(x, 0) == relu(scale * x) for scale < 0
+        dots = dots.clamp(max=0.0) if scale < 0 else torch.relu(dots)
+    wt = scale if weights is None else weights[:, t0:t1, :, None].float() * scale
+    return (dots * wt).sum(dim=2)
 
 
 def value_rows(q, kx, weights, scale, relu, vis: Visibility, fill: float, t0: int, t1: int) -> Tensor:

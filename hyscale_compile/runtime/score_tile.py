@@ -1,10 +1,15 @@
 """The one score arithmetic every HyTopK kernel uses.
 
 ``score_tile`` computes a [BLOCK_T, BLOCK_S] tile of
-    sum_h w[t, h] * act(scale * dot(q[t, h, :], kx[s, :]))
-in fp32, heads in order 0..H-1, for any set of query rows and key columns (contiguous or gathered):
-callers pass row and column offsets, so sampling, filtering, recovery and rescore all run the very
-same instructions with the same tile shapes, and the score of (t, s) is bit-identical in all of them.
+    sum_h wt[t, h] * act(dot(q[t, h, :], kx[s, :]))      wt = scale * w (folded on the host)
+in fp32, heads in order 0..H-1, one fused multiply-add per head, for any set of query rows and key
+columns (contiguous or gathered): callers pass row and column offsets, so sampling, filtering and
+recovery all run the very same instructions with the same tile shapes, and the score of (t, s) is
+bit-identical in all of them. ``act`` is max(x, 0) for a ReLU with scale >= 0 and min(x, 0) for a
+negative scale (scale * min(x, 0) == max(scale * x, 0)), both keeping NaN like torch.relu.
+
+Why the fold: per head and element the tile then costs one max and one FMA after the MMA (it was a
+multiply, a compare-select and a multiply-add), and that epilogue is what bounds the kernel.
 
 ``tile_values`` applies the visibility (range, bool mask, additive bias, fill) exactly as the
 reference does, and ``order_key`` / ``composite`` give the integer orders the selection works in.
@@ -25,8 +30,9 @@ class TileConfig:
     bt: int = 64  # query rows per tile
     bs: int = 128  # keys per tile
     warps: int = 4
-    stages: int = 3
-    prefix_dot: bool = False  # filter: running counts by a small matmul instead of a scan (see _append_dot)
+    stages: int = 2
+    append: int = 2  # filter append: 0 block scan, 1 atomic per entry, 2 the same in PTX (CUDA only)
+    maxnreg: int | None = None  # register cap (fewer registers -> more tiles in flight per SM)
 
 
 TILE = TileConfig()  # read at each call; change it only between calls (benchmarks sweep it)
@@ -40,13 +46,26 @@ def block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
 
+ACT_NONE = 0
+ACT_MAX = 1  # relu, scale >= 0
+ACT_MIN = 2  # relu, scale < 0
+
+
+def act_kind(relu: bool, scale: float) -> int:
+    """Which activation the folded arithmetic applies (see the module note)."""
+    if not relu:
+        return ACT_NONE
+    return ACT_MIN if scale < 0 else ACT_MAX
+
+
 @triton.jit
 def score_tile(q_ptr, kx_ptr, w_ptr, q_rows, w_rows, k_cols, row_ok, col_ok,
                H, stride_qh, stride_wh, scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-               RELU: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr):
+               ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr):
     """fp32 [BT, BS] scores. q_rows / w_rows / k_cols are int64 element offsets of each row / key.
 
+    w_ptr holds scale * w; without weights every head is weighted by ``scale``.
     PREC is "ieee" or "tf32" for fp32 operands, or "upcast": 16-bit operands widened to fp32 first
     (only under the CPU interpreter, whose dot cannot take bf16; the products are exact either way).
     """
@@ -61,14 +80,22 @@ def score_tile(q_ptr, kx_ptr, w_ptr, q_rows, w_rows, k_cols, row_ok, col_ok,
             s = tl.dot(qh.to(tl.float32), kt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
         else:
             s = tl.dot(qh, kt, input_precision=PREC, out_dtype=tl.float32)
-        s = s * scale
-        if RELU:
-            s = tl.where(s < 0.0, 0.0, s)  # keeps NaN, like torch.relu
         if HAS_W:
-            w = tl.load(w_ptr + w_rows + h * stride_wh, mask=row_ok, other=0.0)
-            s = s * w[:, None]
-        acc += s
+            w = tl.load(w_ptr + w_rows + h * stride_wh, mask=row_ok, other=0.0)[:, None]
+        else:
+            w = scale
+        acc = act_fma(s, w, acc, ACT)
     return acc
+
+
+@triton.jit
+def act_fma(s, w, acc, ACT: tl.constexpr):
+    """acc + w * act(s), rounded once: the per-head step every score kernel shares."""
+    if ACT == 1:
+        s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    elif ACT == 2:
+        s = tl.minimum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.fma(s, w, acc)
 
 
 @triton.jit
@@ -90,6 +117,19 @@ def tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
         moff = rows_b[:, None] * smb + rows_t[:, None] * smt + cols[None, :] * sms
         visible = visible & (tl.load(mask_ptr + moff, mask=in_range, other=0) != 0)
     return tl.where(visible, v, fill), in_range
+
+
+@triton.jit
+def key_value(key):
+    """The fp32 whose order_key is ``key`` (INT32_MIN, below every key, gives -inf)."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return tl.where(key == -2147483648, float("-inf"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def raw_entry(v, pos):
+    """int64 candidate as stored: fp32 bits high, position low (unordered; the final select orders)."""
+    return (v.to(tl.int32, bitcast=True).to(tl.int64) << 32) | pos.to(tl.int64)
 
 
 @triton.jit

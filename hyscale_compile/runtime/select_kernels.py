@@ -5,7 +5,8 @@ For those rows the k-th best (value, position) composite is found 4 bits at a ti
 each of the 16 passes rescores the row's whole range (score_tile again, so the same bits) and
 counts, per digit d, the entries that match the known prefix and have digit >= d. Counts are
 integers summed with atomics, so the result is deterministic. A last pass writes the exactly-k
-entries >= the k-th composite into the row's buffer; the final sort treats them like any candidates.
+entries >= the k-th composite into the row's buffer (as raw entries, like the filter's); the final
+select treats them like any candidates.
 
 Work items are (group of BT flagged rows, key split); the grid is fixed and programs past the
 device-side flagged count return at once, so nothing here needs the host to know the count.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .score_tile import composite, order_key, score_tile, tile_values
+from .score_tile import composite, order_key, raw_entry, score_tile, tile_values
 
 PASSES = 16  # 64-bit composite, 4 bits per pass
 DIGITS = 16
@@ -39,7 +40,7 @@ def _prefix(cnt_ptr, ranks, active, npass, R, k, BT: tl.constexpr):
 
 
 @triton.jit
-def _count_or_emit(comp, ok, p, prefix, cnt_acc, ecnt_ptr, buf_ptr, rid, ranks, width,
+def _count_or_emit(comp, raw, ok, p, prefix, cnt_acc, ecnt_ptr, buf_ptr, rid, ranks, width,
                    EMIT: tl.constexpr):
     d16 = tl.arange(0, 16)
     x = comp ^ (tl.full((), 1, tl.int64) << 63)  # unsigned order of x == signed order of comp
@@ -50,7 +51,7 @@ def _count_or_emit(comp, ok, p, prefix, cnt_acc, ecnt_ptr, buf_ptr, rid, ranks, 
         n = tl.sum(pi, axis=1)
         base = tl.atomic_add(ecnt_ptr + ranks, n, mask=n > 0)
         slot = base[:, None] + tl.cumsum(pi, axis=1) - pi
-        tl.store(buf_ptr + rid[:, None] * width + slot, comp, mask=sel & (slot < width))
+        tl.store(buf_ptr + rid[:, None] * width + slot, raw, mask=sel & (slot < width))
     else:
         sh = tl.where(p == 0, 0, 64 - 4 * p)
         match = ok & ((p == 0) | (((x ^ prefix[:, None]) >> sh) == 0))
@@ -64,10 +65,10 @@ def _count_or_emit(comp, ok, p, prefix, cnt_acc, ecnt_ptr, buf_ptr, rid, ranks, 
 @triton.jit
 def recover_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cnt_ptr, ecnt_ptr, buf_ptr,
                    mask_ptr, bias_ptr,
-                   B, T, S, H, k, scale, fill, fill_key, width, R, p, NPROG, SPLIT, ITEMS,
+                   B, T, S, H, k, scale, fill, fill_key, fill_bits, width, R, p, NPROG, SPLIT, ITEMS,
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                   RELU: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                   ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EMIT: tl.constexpr):
     pid = tl.program_id(0)
     nflag = tl.load(nflag_ptr).to(tl.int64)
@@ -87,7 +88,7 @@ def recover_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cn
             prefix = _prefix(cnt_ptr, ranks, active, p, R, k, BT)
             if not EMIT:
                 if (p == 0) & (split == 0):  # the row's old candidates are void: reset to sentinel
-                    sentinel = tl.full((BT, BS), 1, tl.int64) << 63
+                    sentinel = tl.full((BT, BS), -1, tl.int64)
                     for c0 in range(0, width, BS):
                         c = c0 + tl.arange(0, BS)
                         tl.store(buf_ptr + rid[:, None] * width + c[None, :], sentinel,
@@ -105,22 +106,23 @@ def recover_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cn
                         cols = tile * BS + tl.arange(0, BS).to(tl.int64)
                         col_ok = cols < S
                         acc = score_tile(q_ptr, kx_ptr + b * skb, w_ptr, q_rows, w_rows, cols * sks, rb, col_ok,
-                                         H, sqh, swh, scale, D, BLOCK_D, BT, BS, RELU, HAS_W, PREC)
+                                         H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC)
                         val, in_range = tile_values(acc, b_r, t_r, cols, rb, col_ok, lo, hi, fill,
                                                     mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs,
                                                     HAS_MASK, HAS_BIAS)
                         comp = composite(order_key(val), cols[None, :])
-                        cnt_acc = _count_or_emit(comp, in_range, p, prefix, cnt_acc, ecnt_ptr, buf_ptr,
-                                                 rid, ranks, width, EMIT)
+                        cnt_acc = _count_or_emit(comp, raw_entry(val, cols[None, :]), in_range, p, prefix,
+                                                 cnt_acc, ecnt_ptr, buf_ptr, rid, ranks, width, EMIT)
             # out-of-range positions are masked (value fill); only the lowest k of them can matter
             n_ext = tl.minimum(S - (hi - lo), k)
             fk = tl.full((BT, BS), 0, tl.int32) + fill_key
+            fv = (tl.full((BT, BS), 0, tl.int32) + fill_bits).to(tl.float32, bitcast=True)
             for j0 in range(split * BS, k, SPLIT * BS):
                 j = j0 + tl.arange(0, BS).to(tl.int64)
                 pos = tl.where(j[None, :] < lo[:, None], j[None, :], hi[:, None] + (j[None, :] - lo[:, None]))
                 ok = active[:, None] & (j[None, :] < n_ext[:, None])
-                cnt_acc = _count_or_emit(composite(fk, pos), ok, p, prefix, cnt_acc, ecnt_ptr, buf_ptr,
-                                         rid, ranks, width, EMIT)
+                cnt_acc = _count_or_emit(composite(fk, pos), raw_entry(fv, pos), ok, p, prefix, cnt_acc,
+                                         ecnt_ptr, buf_ptr, rid, ranks, width, EMIT)
             if not EMIT:
                 d16 = tl.arange(0, 16)
                 tl.atomic_add(cnt_ptr + (p * R + ranks)[:, None] * 16 + d16[None, :], cnt_acc,

@@ -154,16 +154,42 @@ def test_sampled_threshold_split_programs():
     assert s.rows_recovered == 0 and 90 <= s.mean_candidates <= 110
 
 
-def test_prefix_by_matmul_append():
-    """The filter's alternative append (running counts from a matmul) gives the same exact result."""
+@pytest.mark.parametrize("append", [0, 1, 2])
+def test_append_variants(append):
+    """Each way the filter hands out slots (block scan, per-entry atomic; the PTX one runs as the
+    atomic one here) gives the same exact result, on tiles inside and across the rows' ranges."""
     q, kx, w = inputs(B=1, T=6, S=128, seed=15)
     old = score_tile.TILE
-    score_tile.TILE = dataclasses.replace(old, prefix_dot=True)
+    score_tile.TILE = dataclasses.replace(old, append=append, bs=32)
     try:
         with knobs(capacity=64, target=40, samples=64):
             check(q, kx, w, 8, vis=Visibility(causal=True, offset=122))
+            check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 90, 100]]), causal=True,
+                                              offset=122))
     finally:
         score_tile.TILE = old
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_negative_scale_relu(weights):
+    """relu(scale * x) with scale < 0 is evaluated as (scale * w) * min(x, 0): same selection."""
+    q, kx, w = inputs(B=1, T=5, S=48, seed=16, weights=weights)
+    check(q, kx, w, 7, scale=-0.25, vis=Visibility(causal=True, offset=40))
+
+
+def test_rescore_row_kernel_equals_tile_kernel():
+    """The per-row rescore (one small MMA per row) against the whole-tile one, at any indices."""
+    q, kx, w = inputs(B=2, T=5, H=3, S=70, seed=17)
+    mask = torch.rand(1, 5, 70, generator=torch.Generator().manual_seed(1)) > 0.3
+    vis = Visibility(causal=True, offset=60, mask=mask)
+    idx = torch.randint(0, 70, (2, 5, 100))
+    fast = hytopk.rescore(q, kx, w, idx, 0.5, True, vis, -7.0)
+    with knobs(rescore_tile=True):
+        slow = hytopk.rescore(q, kx, w, idx, 0.5, True, vis, -7.0)
+    with knobs(rescore_q_as_a=True):
+        qa = hytopk.rescore(q, kx, w, idx, 0.5, True, vis, -7.0)
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))
+    assert torch.equal(qa.view(torch.int32), slow.view(torch.int32))
 
 
 @pytest.mark.parametrize("case", ["overflow", "too_few"])

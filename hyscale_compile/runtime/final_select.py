@@ -1,0 +1,282 @@
+"""The last HyTopK stage: each row's exact top k of its candidate buffer, sorted.
+
+It replaces ``torch.topk`` over the whole buffer (a radix select that reads all W int64 entries of
+a row on every pass: 1.8 ms for 4096 x 13824 on an H200) with one read of each row in a Triton
+kernel and a ``torch.sort`` of only the k winners. Entries are raw: fp32 value bits high, position
+low, -1 empty. They rank by the unique (value, position) composite of ``score_tile.composite``.
+
+Per row, in one program:
+    pivots -> two entries of a strided sample of the row (sorted): hi ranks above the k-th, lo below
+    split  -> one pass over the row: entries >= hi are winners, written to the row's output slots;
+              entries in [lo, hi) go to the program's scratch list (about 3k of 13824 at k = 2048)
+    select -> the k-th of the list by bisection over counts: its key first, then (only if entries of
+              that key straddle it) the position among them; every pass is 32-bit work
+    emit   -> the list entries that rank at or above it fill the remaining output slots
+A row whose pivots miss (k or more entries >= hi, fewer than k >= lo, or more between than the list
+holds) selects over its whole buffer the same way: slower, equally exact. Counts never leave the
+device, so a call does not synchronize and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .reference import order_key as order_key_ref
+from .score_tile import INT64_MIN, composite, order_key
+
+INT64_MAX = 2**63 - 1
+SAMPLE = 256  # sample entries per row for the pivots
+CHUNK = 1024  # entries per step of the pass over a row
+LIST_CHUNK = 512  # entries per step over a scratch list
+MARGIN_SD = 4.5  # pivot ranks this many standard deviations of the sample rank away from the k-th
+
+_MIN = tl.constexpr(INT64_MIN)
+_MAX = tl.constexpr(INT64_MAX)
+_I32_MIN = tl.constexpr(-(2**31))
+_I32_MAX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _comps(ptr, offs, n, RAW: tl.constexpr):
+    """Composites of ptr[offs] (INT64_MIN past n). RAW entries are converted, the sentinel to INT64_MIN."""
+    if RAW:
+        raw = tl.load(ptr + offs, mask=offs < n, other=-1)
+        low = raw.to(tl.int32)  # the position; -1 only in the sentinel
+        key = order_key((raw >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+        return tl.where(low == -1, _MIN, composite(key, low.to(tl.uint32)))  # uint32: zero-extended
+    else:
+        return tl.load(ptr + offs, mask=offs < n, other=_MIN)
+
+
+@triton.jit
+def _scan(ptr, n, t, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
+    """One pass over v = each entry's key, or (TIES) minus the position of each entry with key K.
+
+    Returns #(v >= t), the smallest of those v and the largest v below t; all 32-bit work.
+    """
+    cnt = tl.zeros((CH,), dtype=tl.int32)  # reduced once, at the end of the pass
+    above = tl.full((CH,), _I32_MAX, tl.int32)
+    below = tl.full((CH,), _I32_MIN, tl.int32)
+    for c0 in range(0, n, CH):
+        x = _comps(ptr, c0 + tl.arange(0, CH), n, RAW)
+        if TIES:
+            ok = (x >> 32).to(tl.int32) == K
+            v = x.to(tl.int32) + 1  # the low word 0xFFFFFFFF - pos is -1 - pos as int32
+            ge = ok & (v >= t)
+            lt = ok & (v < t)
+        else:
+            v = (x >> 32).to(tl.int32)  # empties and padding have key INT32_MIN, below every bound
+            ge = v >= t
+            lt = v < t
+        cnt += ge.to(tl.int32)
+        above = tl.minimum(above, tl.where(ge, v, _I32_MAX))
+        below = tl.maximum(below, tl.where(lt, v, _I32_MIN))
+    return tl.reduce((cnt, above, below), 0, _sum_min_max)  # one block reduction for the three
+
+
+@triton.jit
+def _sum_min_max(c0, a0, b0, c1, a1, b1):
+    return c0 + c1, tl.minimum(a0, a1), tl.maximum(b0, b1)
+
+
+@triton.jit
+def _bisect(ptr, n, need, lo, hi, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
+    """The need-th largest v (see _scan), given #(v >= lo) >= need and no v >= hi (int64 bounds).
+
+    Bisection that moves each bound onto a value present, so it takes about log2(distinct values)
+    passes. Also returns whether a count was exactly ``need`` and #(v >= hi) for the final hi.
+    """
+    exact = tl.zeros((), dtype=tl.int32)
+    n_hi = tl.zeros((), dtype=tl.int32)
+    while hi - lo > 1:
+        cnt, above, below = _scan(ptr, n, (lo + (hi - lo) // 2).to(tl.int32), K, RAW, CH, TIES)
+        if cnt >= need:
+            lo = above.to(tl.int64)
+            if cnt == need:  # the need largest are exactly those counted: the smallest of them is it
+                hi = lo + 1
+                exact = tl.full((), 1, tl.int32)
+        else:
+            hi = below.to(tl.int64) + 1
+            n_hi = cnt
+    return lo, exact, n_hi
+
+
+@triton.jit
+def _kth(ptr, n, need, lo, hi, RAW: tl.constexpr, CH: tl.constexpr):
+    """(K, V): the need largest entries of ptr[0:n] are those with key > K, or key K and -position >= V.
+
+    Needs every entry below the composite hi and at least need of them at or above lo. The key comes
+    first; positions only matter when the entries of key K straddle the need-th.
+    """
+    lo_key = tl.maximum(lo >> 32, _I32_MIN + 1)  # empties and padding (key INT32_MIN) never count
+    key, exact, above = _bisect(ptr, n, need, lo_key, ((hi - 1) >> 32) + 1, 0, RAW, CH, False)
+    v = tl.full((), _I32_MIN, tl.int64)  # a count was exact: every entry of key K is in
+    if exact == 0:  # positions are below 2**31 - 1, so -position lies in [INT32_MIN + 1, 1)
+        v = _bisect(ptr, n, need - above, tl.full((), _I32_MIN + 1, tl.int64), tl.full((), 1, tl.int64),
+                    key.to(tl.int32), RAW, CH, True)[0]
+    return key.to(tl.int32), v.to(tl.int32)
+
+
+@triton.jit
+def _slots(f, TPB: tl.constexpr):
+    """Exclusive running sums of a chunk f [CH] in (thread, register) order, and their total.
+
+    Any order will do (the winners are sorted afterwards). Element i of a chunk sits in register
+    i // TPB of thread i % TPB, so seen as [CH // TPB, TPB] the sums over dim 0 stay in registers and
+    one value per thread is scanned across the block (a scan in offset order scans every register).
+    """
+    CH: tl.constexpr = f.shape[0]
+    f2 = tl.reshape(f, [CH // TPB, TPB])
+    per_thread = tl.sum(f2, axis=0)
+    before = tl.cumsum(per_thread, axis=0) - per_thread
+    return tl.reshape(before[None, :] + tl.cumsum(f2, axis=0) - f2, [CH]), tl.sum(per_thread, axis=0)
+
+
+@triton.jit
+def _emit(ptr, n, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TPB: tl.constexpr):
+    """Write the entries of ptr[0:n] selected by (K, V) (see _kth) to dst[0:], in no particular order."""
+    base = tl.zeros((), dtype=tl.int32)
+    for c0 in range(0, n, CH):
+        x = _comps(ptr, c0 + tl.arange(0, CH), n, RAW)
+        key = (x >> 32).to(tl.int32)
+        sel = (key > K) | ((key == K) & (x.to(tl.int32) + 1 >= V))
+        slot, tot = _slots(sel.to(tl.int32), TPB)
+        tl.store(dst + base + slot, x, mask=sel)
+        base += tot
+
+
+# W and cap unspecialized: rows then look unaligned, so the loads are not vectorized and keep the layout
+# of the scattered stores (no re-layout through shared memory between them).
+@triton.jit(do_not_specialize=["W", "cap"])
+def final_select_kernel(buf_ptr, out_ptr, scr_ptr, fast_ptr, next_ptr, R, W, k, cap, i_hi, i_lo,
+                        S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr):
+    """out[r, :k] = the k largest composites of raw row r, unsorted; fast[r] = 1 where the pivots held.
+
+    Programs take rows from an atomic counter (next_ptr, zeroed), so a slow row holds up no other,
+    and each keeps one scratch list of ``cap`` entries for all its rows.
+    """
+    scr = scr_ptr + tl.program_id(0).to(tl.int64) * cap
+    j = tl.arange(0, S)
+    row = tl.atomic_add(next_ptr, 1, sem="relaxed").to(tl.int64)  # int64: offsets pass 2**31
+    while row < R:
+        src = buf_ptr + row * W
+        dst = out_ptr + row * k
+        samp = tl.sort(_comps(src, (j.to(tl.int64) * W) // S, W, True), descending=True)
+        hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
+        hi = tl.where(hi == _MIN, _MAX, hi)  # no such rank, or an empty slot: nothing is a sure winner
+        lo = tl.maximum(tl.max(tl.where(j == i_lo, samp, _MIN), axis=0), _MIN + 1)  # never admit empties
+        n_hi = tl.zeros((), dtype=tl.int32)
+        n_mid = tl.zeros((), dtype=tl.int32)
+        for c0 in range(0, W, CH):
+            x = _comps(src, c0 + tl.arange(0, CH), W, True)
+            sure = x >= hi
+            mid = (x >= lo) & (x < hi)
+            before, tot = _slots(sure.to(tl.int32) + (mid.to(tl.int32) << 16), TPB)  # both counts, one scan
+            s_slot = n_hi + (before & 0xFFFF)
+            m_slot = n_mid + (before >> 16)
+            tl.store(dst + s_slot, x, mask=sure & (s_slot < k))
+            tl.store(scr + m_slot, x, mask=mid & (m_slot < cap))
+            n_hi += tot & 0xFFFF
+            n_mid += tot >> 16
+        fast = (n_hi < k) & (n_hi + n_mid >= k) & (n_mid <= cap)
+        tl.store(fast_ptr + row, fast.to(tl.int8))
+        tl.debug_barrier()  # the list is read below, and the slow path rewrites the slots written above
+        if fast:
+            K, V = _kth(scr, n_mid, k - n_hi, lo, hi, False, LCH)
+            _emit(scr, n_mid, K, V, dst + n_hi, False, LCH, TPB)
+        else:  # the whole buffer is the list
+            K, V = _kth(src, W, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), True, CH)
+            _emit(src, W, K, V, dst, True, CH, TPB)
+        tl.debug_barrier()  # the next row overwrites the list
+        row = tl.atomic_add(next_ptr, 1, sem="relaxed").to(tl.int64)
+
+
+def pivot_ranks(k: int, W: int, S: int = SAMPLE) -> tuple[int, int, int]:
+    """(i_hi, i_lo, cap): sample ranks (descending, 0-based) of the pivots and the scratch list size.
+
+    About k*S/W of the S sampled slots hold an entry >= the row's k-th (empty slots rank lowest),
+    with standard deviation sqrt(S p (1 - p)), p = k/W; the pivots sit MARGIN_SD of those (plus a
+    repeat of a short row) away on either side. Ranks outside [0, S) mean "no pivot there". The list
+    gets twice the expected count of entries between the pivots (that count varies by about
+    1/sqrt(ranks between) of itself).
+    """
+    p = k / W
+    margin = math.ceil(MARGIN_SD * math.sqrt(S * p * (1 - p)) + S / W) + 1  # S/W: a short row repeats in the sample
+    i_hi = math.floor(k * S / W) - 1 - margin
+    i_lo = math.ceil(k * S / W) - 1 + margin
+    between = (min(i_lo, S - 1) - max(i_hi, -1)) * W / S
+    return i_hi, i_lo, max(1, min(W, int(2 * between) + 64))
+
+
+def _programs(device: torch.device) -> int:
+    """About what fits at once (96 registers x 128 threads: 5 per SM on an H200); more only idle."""
+    if device.type == "cuda":
+        return 6 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def select_composites(buf: Tensor, k: int, *, sample: int = SAMPLE, ranks: tuple[int, int] | None = None,
+                      cap: int | None = None, chunk: int = CHUNK, list_chunk: int = LIST_CHUNK,
+                      warps: int = 4) -> tuple[Tensor, Tensor]:
+    """(composites [R, k] of each row's top k, unsorted; int8 [R], 1 where the row took the fast path).
+
+    Pivot ranks and list size default to ``pivot_ranks``; tests set them to force either path (and
+    small samples and chunks: the interpreter's sort is slow, and small chunks exercise the loops).
+    """
+    R, W = buf.shape
+    assert buf.dtype == torch.int64 and buf.is_contiguous() and 1 <= k <= W
+    assert chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15  # see _slots
+    i_hi, i_lo, default_cap = pivot_ranks(k, W, sample)
+    i_hi, i_lo = ranks if ranks is not None else (i_hi, i_lo)
+    cap = default_cap if cap is None else cap
+    out = torch.empty(R, k, dtype=torch.int64, device=buf.device)
+    fast = torch.empty(R, dtype=torch.int8, device=buf.device)
+    if R == 0:
+        return out, fast
+    nprog = min(R, _programs(buf.device))
+    scratch = torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)
+    next_row = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    final_select_kernel[(nprog,)](buf, out, scratch, fast, next_row, R, W, k, cap, i_hi, i_lo,
+                                  S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps, num_warps=warps)
+    return out, fast
+
+
+def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
+    """Composites -> (canonical fp32 values, int64 positions), working on the 32-bit halves.
+
+    On a little-endian device an int64 viewed as int32 pairs is (low, high): high is the order key,
+    whose bits come back as key ^ 0x7FFFFFFF for negative keys; low is 0xFFFFFFFF - position.
+    """
+    words = comp.view(torch.int32).unflatten(-1, (-1, 2))
+    key, low = words[..., 1], words[..., 0]
+    bits = key >> 31
+    bits &= 0x7FFFFFFF
+    bits ^= key
+    return bits.view(torch.float32), torch.bitwise_not(low).long()
+
+
+def select_rows(buf: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Each row's k best raw entries of ``buf`` [R, W] int64 (fp32 bits << 32 | position; -1 empty).
+
+    Returns (values fp32 [R, k], positions int64 [R, k]) ordered by value descending, ties by position
+    ascending, NaN above +inf and -0.0 == +0.0, values canonical (NaN as 0x7FC00000, -0.0 as +0.0).
+    Every row must hold at least k entries.
+    """
+    comp, _ = select_composites(buf, k)
+    return decode(torch.sort(comp, dim=1, descending=True).values)
+
+
+def select_rows_reference(buf: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The same in plain PyTorch: composites of the whole buffer, torch.topk, decode in int64."""
+    pos = buf & 0xFFFFFFFF
+    key = order_key_ref((buf >> 32).to(torch.int32).view(torch.float32))
+    comp = torch.where(buf == -1, INT64_MIN, (key << 32) | (0xFFFFFFFF - pos))
+    comp = torch.topk(comp, k, dim=1, largest=True, sorted=True).values
+    key = comp >> 32
+    bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF).to(torch.int32)
+    return bits.view(torch.float32), 0xFFFFFFFF - (comp & 0xFFFFFFFF)
