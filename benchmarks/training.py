@@ -39,10 +39,11 @@ MODE_KEYS = {"eager": "eager_ms", "inductor": "inductor_ms", "hyscale_noreplay":
 
 
 def indexer_layer(q, kx, w, target, k: int):
-    """Unmodified DSA indexer with an fp32 score table, loss read at the selected positions."""
+    """Unmodified DSA indexer scoring in fp32 as HF models write it (16-bit inputs upcast first),
+    loss read at the selected positions."""
     T, S = q.shape[1], kx.shape[1]
     scale = q.shape[-1] ** -0.5
-    dots = torch.einsum("bthd,bsd->bths", q, kx).float() * scale
+    dots = torch.einsum("bthd,bsd->bths", q.float(), kx.float()) * scale
     score = (torch.relu(dots) * w.float()[..., None]).sum(2)
     pos_t = torch.arange(T, device=q.device).view(T, 1) + (S - T)  # queries are the last T keys
     future = torch.arange(S, device=q.device).view(1, S) > pos_t

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from .filter_kernels import (
     sample_kernel,
     threshold_kernel,
 )
-from .final_select import select_rows, select_rows_reference
+from .final_select import decode, select_composites, select_rows_reference
 from .reference import Visibility, order_key
 from .score_tile import act_kind, block_d
 from .select_kernels import PASSES, recover_kernel
@@ -193,10 +192,14 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
     buf = candidates(pb, k)
-    # the interpreter runs the kernel too slowly for whole-select tests; tests/kernels/test_final_select.py
-    # checks it against this reference bit for bit
-    final = select_rows_reference if os.environ.get("TRITON_INTERPRET") == "1" else select_rows
-    values, indices = final(buf, k)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter runs the final kernel too slowly for whole-select tests;
+        # tests/kernels/test_final_select.py checks it against this reference bit for bit
+        values, indices = select_rows_reference(buf, k)
+    else:
+        comp, _ = select_composites(buf, k)
+        del buf  # the sort and the decode reuse the candidate buffer's memory
+        values, indices = decode(torch.sort(comp, dim=1, descending=True).values)
     return values.view(B, T, k), indices.view(B, T, k)
 
 
@@ -317,10 +320,3 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
 
 
 RESCORE_BJ = 64  # gathered keys per rescore program: the M of one tensor-core tile
-
-
-def peak_extra_bytes(B: int, T: int, S: int, k: int) -> int:
-    """Bytes select allocates besides its outputs (candidate buffer dominates)."""
-    _, cap, _ = sizes(k, S)
-    R = B * T
-    return R * (cap + k) * 8 + R * 4 * 4 + PASSES * R * 16 * 4 + R * 8 * 3 + math.prod((R, k)) * 8
