@@ -105,12 +105,7 @@ def rescore_check(q, kx, w, k, vis, sel) -> dict:
     with hytopk.override(rescore_tile=True):
         slow = hytopk.rescore(q, kx, w, i, scale, True, vis, float("-inf"))
         tile_ms = bench(lambda: hytopk.rescore(q, kx, w, i, scale, True, vis, float("-inf")))
-    with hytopk.override(rescore_q_as_a=True):
-        qa = hytopk.rescore(q, kx, w, i, scale, True, vis, float("-inf"))
-        qa_ms = bench(lambda: hytopk.rescore(q, kx, w, i, scale, True, vis, float("-inf")))
-    row = dict(rescore_q_as_a_ms=round(qa_ms, 3),
-               q_as_a_equals_select=bool(torch.equal(qa.view(torch.int32), v.view(torch.int32))),
-               rescore_row_ms=round(bench(lambda: hytopk.rescore(q, kx, w, i, scale, True, vis, float("-inf"))), 3),
+    row = dict(rescore_row_ms=round(bench(lambda: hytopk.rescore(q, kx, w, i, scale, True, vis, float("-inf"))), 3),
                rescore_tile_ms=round(tile_ms, 3),
                row_equals_select=bool(torch.equal(fast.view(torch.int32), v.view(torch.int32))),
                tile_equals_select=bool(torch.equal(slow.view(torch.int32), v.view(torch.int32))),

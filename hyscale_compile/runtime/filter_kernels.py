@@ -295,7 +295,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, Q_AS_A: tl.constexpr = False):
+                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Values of one query row at BJ given positions: its gathered keys times all its heads in one
     MMA ([BJ, D] x [D, BH]), then the heads summed in order with score_tile's per-head step.
 
@@ -314,30 +314,17 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     hh = tl.arange(0, BH)
-    if Q_AS_A:  # q rows as the MMA's A operand, keys as B: the filter's operand roles (BH >= 64)
-        kg = tl.load(kx_ptr + b * skb + cols[None, :] * sks + offs_d[:, None], mask=c_ok[None, :] & d_ok[:, None],
-                     other=0.0)
-        qa = tl.load(q_ptr + b * sqb + t * sqt + hh[:, None] * sqh + offs_d[None, :],
-                     mask=(hh < H)[:, None] & d_ok[None, :], other=0.0)
-        if PREC == "upcast":
-            s = tl.dot(qa.to(tl.float32), kg.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            s = tl.dot(qa, kg, input_precision=PREC, out_dtype=tl.float32)
+    kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
+                 other=0.0)
+    qt = tl.load(q_ptr + b * sqb + t * sqt + hh[None, :] * sqh + offs_d[:, None],
+                 mask=(hh < H)[None, :] & d_ok[:, None], other=0.0)
+    if PREC == "upcast":
+        s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     else:
-        kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
-                     other=0.0)
-        qt = tl.load(q_ptr + b * sqb + t * sqt + hh[None, :] * sqh + offs_d[:, None],
-                     mask=(hh < H)[None, :] & d_ok[:, None], other=0.0)
-        if PREC == "upcast":
-            s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
+        s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
     acc = tl.zeros((BJ,), dtype=tl.float32)
     for h in range(H):
-        if Q_AS_A:
-            sh = tl.sum(tl.where(hh[:, None] == h, s, 0.0), axis=0)  # row h, exactly (the rest add +0)
-        else:
-            sh = tl.sum(tl.where(hh[None, :] == h, s, 0.0), axis=1)  # column h, exactly
+        sh = tl.sum(tl.where(hh[None, :] == h, s, 0.0), axis=1)  # column h, exactly (the rest add +0)
         if HAS_W:
             w = tl.load(w_ptr + b * swb + t * swt + h * swh)
         else:
@@ -349,19 +336,16 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     row_ok = one == 0
     val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
                          mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
-    v = tl.reshape(val, (BJ,))
-    v = tl.where(v != v, float("nan"), v)  # canonical NaN and +0.0, as select returns them
-    v = tl.where(v == 0.0, 0.0, v)
-    tl.store(out_ptr + r * K + j, v, mask=j_ok)
+    tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)
 
 
 @triton.jit
 def rescore_tile_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_ptr, bias_ptr,
-                   T, S, H, K, scale, fill,
-                   sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                   ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        T, S, H, K, scale, fill,
+                        sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                        ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                        HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Values at given positions: the row's block tile against the row's gathered keys, one row kept.
 
     The tile is the same [BT, BS] product the filter computes, so each kept value is bit-identical
@@ -387,8 +371,15 @@ def rescore_tile_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, 
             val, _ = tile_values(acc, rows_b, rows_t, cols, row_ok, c_ok, lo, hi, fill,
                                  mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
             v = tl.sum(tl.where(rows_t[:, None] == t, val, 0.0), axis=0)  # exact: one term per column
-            v = tl.where(v != v, float("nan"), v)  # canonical NaN, as select returns it
+            v = canonical(v)
             tl.store(out_ptr + (b * T + t) * K + j, v, mask=j_ok)
+
+
+@triton.jit
+def canonical(v):
+    """NaN as 0x7FC00000 and -0.0 as +0.0: the values select returns (they come back from order keys)."""
+    v = tl.where(v != v, float("nan"), v)
+    return tl.where(v == 0.0, 0.0, v)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -55,7 +55,6 @@ class Knobs:
     samples: int | None = None  # sample positions per query block
     programs: int | None = None  # programs to aim for per launch
     rescore_tile: bool = False  # rescore through whole score tiles (slow cross-check of the row kernel)
-    rescore_q_as_a: bool = False  # row kernel with q as the MMA's first operand, like the filter
 
 
 knobs = Knobs()
@@ -310,8 +309,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
         pb.launch(rescore_tile_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx,
                   out, pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
         return out
-    qa = knobs.rescore_q_as_a
-    consts = dict(pb.consts, BJ=RESCORE_BJ, BH=max(64 if qa else 16, 1 << max(0, (pb.H - 1).bit_length())), Q_AS_A=qa)
+    consts = dict(pb.consts, BJ=RESCORE_BJ, BH=max(16, 1 << max(0, (pb.H - 1).bit_length())))
     del consts["BT"], consts["BS"]
     rescore_kernel[(B * T, cdiv(K, RESCORE_BJ))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
                                                  T, pb.S, pb.H, K, pb.scale, pb.fill, *pb.strides, **consts,
