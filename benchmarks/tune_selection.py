@@ -82,6 +82,12 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
     full = hytopk.candidates(pb, k)
     row["final_torch_ms"] = bench(lambda: final_select.select_rows_reference(full, k))
     row["final_kernel_ms"] = bench(lambda: final_select.select_rows(full, k))
+    comp, fast = final_select.select_composites(full, k)  # the final select's parts: kernel, sort, decode
+    row["final_fast_path_rows"] = int(fast.sum())
+    row["final_select_kernel_ms"] = bench(lambda: final_select.select_composites(full, k))
+    row["final_sort_ms"] = bench(lambda: torch.sort(comp, dim=1, descending=True))
+    srt = torch.sort(comp, dim=1, descending=True).values
+    row["final_decode_ms"] = bench(lambda: final_select.decode(srt))
     row["final_kernel_same"] = same(final_select.select_rows(full, k), final_select.select_rows_reference(full, k))
 
     def sel():

@@ -296,8 +296,8 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Values of one query row at BJ given positions: its gathered keys times all its heads in one
-    MMA ([BJ, D] x [D, BH]), then the heads summed in order with score_tile's per-head step.
+    """Values of one query row at BJ given positions: its gathered keys times its heads, BH at a time,
+    in small MMAs ([BJ, D] x [D, BH]), then the heads summed in order with score_tile's per-head step.
 
     Each score is the same fp32 dot (16-bit products are exact, accumulated by the tensor core in
     the same k order) followed by the same act + FMA chain as in the filter, so the values equal
@@ -316,20 +316,21 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     hh = tl.arange(0, BH)
     kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
                  other=0.0)
-    qt = tl.load(q_ptr + b * sqb + t * sqt + hh[None, :] * sqh + offs_d[:, None],
-                 mask=(hh < H)[None, :] & d_ok[:, None], other=0.0)
-    if PREC == "upcast":
-        s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
-    else:
-        s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
     acc = tl.zeros((BJ,), dtype=tl.float32)
-    for h in range(H):
-        sh = tl.sum(tl.where(hh[None, :] == h, s, 0.0), axis=1)  # column h, exactly (the rest add +0)
-        if HAS_W:
-            w = tl.load(w_ptr + b * swb + t * swt + h * swh)
+    for c in range(0, H, BH):  # BH heads per MMA, so picking out each head's column costs BH, not H
+        qt = tl.load(q_ptr + b * sqb + t * sqt + (c + hh)[None, :] * sqh + offs_d[:, None],
+                     mask=(c + hh < H)[None, :] & d_ok[:, None], other=0.0)
+        if PREC == "upcast":
+            s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
         else:
-            w = scale
-        acc = act_fma(sh, w, acc, ACT)
+            s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
+        for i in range(tl.minimum(H - c, BH)):
+            sh = tl.sum(tl.where(hh[None, :] == i, s, 0.0), axis=1)  # column i, exactly (the rest add +0)
+            if HAS_W:
+                w = tl.load(w_ptr + b * swb + t * swt + (c + i) * swh)
+            else:
+                w = scale
+            acc = act_fma(sh, w, acc, ACT)
     one = tl.arange(0, 1).to(tl.int64)
     lo = tl.load(lo_ptr + r + one)
     hi = tl.load(hi_ptr + r + one)

@@ -309,7 +309,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
         pb.launch(rescore_tile_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx,
                   out, pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
         return out
-    consts = dict(pb.consts, BJ=RESCORE_BJ, BH=max(16, 1 << max(0, (pb.H - 1).bit_length())))
+    consts = dict(pb.consts, BJ=RESCORE_BJ, BH=RESCORE_BH)
     del consts["BT"], consts["BS"]
     rescore_kernel[(B * T, cdiv(K, RESCORE_BJ))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
                                                  T, pb.S, pb.H, K, pb.scale, pb.fill, *pb.strides, **consts,
@@ -318,3 +318,4 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
 
 
 RESCORE_BJ = 64  # gathered keys per rescore program: the M of one tensor-core tile
+RESCORE_BH = 16  # heads per rescore MMA: the smallest tensor-core N

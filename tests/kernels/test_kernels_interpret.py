@@ -178,8 +178,9 @@ def test_negative_scale_relu(weights):
 
 
 def test_rescore_row_kernel_equals_tile_kernel():
-    """The per-row rescore (one small MMA per row) against the whole-tile one, at any indices."""
-    q, kx, w = inputs(B=2, T=5, H=3, S=70, seed=17)
+    """The per-row rescore (small MMAs of 16 heads) against the whole-tile one, at any indices;
+    19 heads: one full chunk of heads and a partial one."""
+    q, kx, w = inputs(B=2, T=5, H=19, S=70, seed=17)
     mask = torch.rand(1, 5, 70, generator=torch.Generator().manual_seed(1)) > 0.3
     vis = Visibility(causal=True, offset=60, mask=mask)
     idx = torch.randint(0, 70, (2, 5, 100))
