@@ -215,8 +215,8 @@ def stage_times(pb, k: int, select) -> dict:
                threshold_ms=round(bench(lambda: hytopk.threshold(pb, k, buf, samp, msamp)), 3),
                compare_only_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap, MODE_COUNT, sink)), 3),
                filter_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap)), 3))
-    full = hytopk.candidates(pb, k)
-    out["final_select_ms"] = round(bench(lambda: final_select.select_rows(full, k)), 3)
+    full, used = hytopk.candidates(pb, k)
+    out["final_select_ms"] = round(bench(lambda: final_select.select_rows(full, k, used)), 3)
     return out
 
 

@@ -1,8 +1,8 @@
 """Tile shapes and append variants of the HyTopK kernels, timed stage by stage in one run.
 
 This is the measurement behind ``TileConfig``'s defaults: for each tile config, the scoring floor,
-the filter's compare alone, the filter with each append variant, sampling, the threshold, the final
-select, the whole select, and whether the result is bit-identical to the first config's. It also
+the filter's compare alone, the filter with each append variant, sampling (and, for the first config,
+with fewer sampling programs), the threshold, the final select (and its variants), the whole select, and whether the result is bit-identical to the first config's. It also
 times the per-row rescore kernel against the whole-tile one and checks they agree bit for bit.
 
     python benchmarks/tune_selection.py [--out results/tune_selection.json] [--shapes 0,1]
@@ -68,6 +68,10 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
     row["floor_tflops"] = useful_flops(T, S, H) / row["floor_ms"] / 1e9
     buf, samp, msamp = hytopk.sample(pb, k)
     row["sample_ms"] = bench(lambda: hytopk.sample(pb, k))
+    if cfg == CONFIGS[0]:  # fewer sampling programs, each over several tiles (q loaded once per program)
+        for split in (16, 8, 4):
+            with hytopk.override(sample_split=split):
+                row[f"sample_split{split}_ms"] = bench(lambda: hytopk.sample(pb, k))
     row["threshold_ms"] = bench(lambda: hytopk.threshold(pb, k, buf, samp, msamp))
     thr = hytopk.threshold(pb, k, buf, samp, msamp)
     _, cap, _ = hytopk.sizes(k, S)
@@ -79,16 +83,21 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
         except Exception as e:  # a variant that fails to compile is a result too
             row[f"filter_append{append}_ms"] = f"failed: {str(e)[:200]}"
     pb.tile = dataclasses.replace(pb.tile, append=2)
-    full = hytopk.candidates(pb, k)
-    row["final_torch_ms"] = bench(lambda: final_select.select_rows_reference(full, k))
-    row["final_kernel_ms"] = bench(lambda: final_select.select_rows(full, k))
-    comp, fast = final_select.select_composites(full, k)  # the final select's parts: kernel, sort, decode
+    full, used = hytopk.candidates(pb, k)
+    row["final_torch_ms"] = bench(lambda: final_select.select_rows_reference(full, k, used))
+    row["final_kernel_ms"] = bench(lambda: final_select.select_rows(full, k, used))
+    # the final select's variants: in-kernel sort at 4 and 8 warps, or composites + torch.sort + decode
+    row["final_kernel_8warps_ms"] = bench(lambda: final_select.select_sorted(full, k, used=used, warps=8))
+    comp, fast = final_select.select_composites(full, k, used=used)
     row["final_fast_path_rows"] = int(fast.sum())
-    row["final_select_kernel_ms"] = bench(lambda: final_select.select_composites(full, k))
+    row["final_select_kernel_ms"] = bench(lambda: final_select.select_composites(full, k, used=used))
     row["final_sort_ms"] = bench(lambda: torch.sort(comp, dim=1, descending=True))
     srt = torch.sort(comp, dim=1, descending=True).values
     row["final_decode_ms"] = bench(lambda: final_select.decode(srt))
-    row["final_kernel_same"] = same(final_select.select_rows(full, k), final_select.select_rows_reference(full, k))
+    ref_sel = final_select.select_rows_reference(full, k, used)
+    row["final_kernel_same"] = same(final_select.select_rows(full, k, used), ref_sel)
+    row["final_kernel_8warps_same"] = same(final_select.select_sorted(full, k, used=used, warps=8)[:2], ref_sel)
+    row["final_unsorted_same"] = same(final_select.decode(srt), ref_sel)
 
     def sel():
         return hytopk.select(q, kx, w, k, scale, True, vis, float("-inf"))

@@ -250,8 +250,9 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
 def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
                      S, k, C, target, M, samp_stride, width, fill_bits,
                      SAMPLED: tl.constexpr, MB: tl.constexpr, EB: tl.constexpr):
-    """Per row: the target-th best sample key as threshold (ceil(target*m/ctx)-th), then reset the
-    row's candidate slots and write the first k out-of-range positions (value fill) after them.
+    """Per row: the target-th best sample key as threshold (ceil(target*m/ctx)-th), then the first k
+    out-of-range positions (value fill) after the C candidate slots, sentinels past them. The slots
+    themselves are not reset: the filter counts what it appends and the final select reads no more.
 
     Rows whose context fits the buffer skip the threshold: every entry of their range passes.
     """
@@ -275,11 +276,8 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
         use = (ctx > C) & (rank >= 1) & (rank <= m)
         thr = tl.where(use, a, thr)
     tl.store(thr_ptr + r, thr.to(tl.int32))
-    tl.debug_barrier()  # the samples live in this row's slots: read them all before overwriting
+    tl.debug_barrier()  # the samples may reach into the extras' slots: read them all before overwriting
     sentinel = tl.full((EB,), -1, tl.int64)  # an empty slot (no position is 2**32 - 1)
-    for c0 in range(0, C, EB):
-        c = c0 + tl.arange(0, EB)
-        tl.store(buf_ptr + r * width + c, sentinel, mask=c < C)
     n_ext = tl.minimum(S - ctx, k)
     fv = (tl.full((EB,), 0, tl.int32) + fill_bits).to(tl.float32, bitcast=True)
     for j0 in range(0, k, EB):

@@ -2,8 +2,9 @@
 
 It replaces ``torch.topk`` over the whole buffer (a radix select that reads all W int64 entries of
 a row on every pass: 1.8 ms for 4096 x 13824 on an H200) with one read of each row in a Triton
-kernel and a ``torch.sort`` of only the k winners. Entries are raw: fp32 value bits high, position
-low, -1 empty. They rank by the unique (value, position) composite of ``score_tile.composite``.
+kernel, which then sorts its k winners in registers and decodes them. Entries are raw: fp32 value
+bits high, position low, -1 empty. They rank by the unique (value, position) composite of
+``score_tile.composite``.
 
 Per row, in one program:
     pivots -> two entries of a strided sample of the row (sorted): hi ranks above the k-th, lo below
@@ -12,6 +13,7 @@ Per row, in one program:
     select -> the k-th of the list by bisection over counts: its key first, then (only if entries of
               that key straddle it) the position among them; every pass is 32-bit work
     emit   -> the list entries that rank at or above it fill the remaining output slots
+    sort   -> the k winners, back into registers: a bitonic sort, decode, store values and positions
 A row whose pivots miss (k or more entries >= hi, fewer than k >= lo, or more between than the list
 holds) selects over its whole buffer the same way: slower, equally exact. Counts never leave the
 device, so a call does not synchronize and can be captured in a CUDA graph.
@@ -33,6 +35,7 @@ INT64_MAX = 2**63 - 1
 SAMPLE = 256  # sample entries per row for the pivots
 CHUNK = 1024  # entries per step of the pass over a row
 LIST_CHUNK = 512  # entries per step over a scratch list
+SORT_MAX = 2048  # widest in-kernel sort of a row's winners (16 int64 registers a thread at 4 warps)
 MARGIN_SD = 4.5  # pivot ranks this many standard deviations of the sample rank away from the k-th
 
 _MIN = tl.constexpr(INT64_MIN)
@@ -42,19 +45,30 @@ _I32_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _comps(ptr, offs, n, RAW: tl.constexpr):
-    """Composites of ptr[offs] (INT64_MIN past n). RAW entries are converted, the sentinel to INT64_MIN."""
-    if RAW:
-        raw = tl.load(ptr + offs, mask=offs < n, other=-1)
-        low = raw.to(tl.int32)  # the position; -1 only in the sentinel
-        key = order_key((raw >> 32).to(tl.int32).to(tl.float32, bitcast=True))
-        return tl.where(low == -1, _MIN, composite(key, low.to(tl.uint32)))  # uint32: zero-extended
-    else:
-        return tl.load(ptr + offs, mask=offs < n, other=_MIN)
+def _raw_comps(ptr, offs, ok):
+    """Composites of the raw entries ptr[offs] where ok (INT64_MIN elsewhere and for the sentinel)."""
+    raw = tl.load(ptr + offs, mask=ok, other=-1)
+    low = raw.to(tl.int32)  # the position; -1 only in the sentinel
+    key = order_key((raw >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+    return tl.where(low == -1, _MIN, composite(key, low.to(tl.uint32)))  # uint32: zero-extended
 
 
 @triton.jit
-def _scan(ptr, n, t, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
+def _comps(ptr, offs, n, seam, jump, RAW: tl.constexpr):
+    """Composites of the n entries of a row (INT64_MIN past n), RAW ones converted.
+
+    Entry i lives at ptr[i] before the seam and at ptr[i + jump] from it: a candidate row's unused
+    slots are jumped over (for a scratch list, seam = n).
+    """
+    phys = offs + tl.where(offs >= seam, jump, 0)
+    if RAW:
+        return _raw_comps(ptr, phys, offs < n)
+    else:
+        return tl.load(ptr + phys, mask=offs < n, other=_MIN)
+
+
+@triton.jit
+def _scan(ptr, n, seam, jump, t, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
     """One pass over v = each entry's key, or (TIES) minus the position of each entry with key K.
 
     Returns #(v >= t), the smallest of those v and the largest v below t; all 32-bit work.
@@ -63,7 +77,7 @@ def _scan(ptr, n, t, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr)
     above = tl.full((CH,), _I32_MAX, tl.int32)
     below = tl.full((CH,), _I32_MIN, tl.int32)
     for c0 in range(0, n, CH):
-        x = _comps(ptr, c0 + tl.arange(0, CH), n, RAW)
+        x = _comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW)
         if TIES:
             ok = (x >> 32).to(tl.int32) == K
             v = x.to(tl.int32) + 1  # the low word 0xFFFFFFFF - pos is -1 - pos as int32
@@ -85,7 +99,7 @@ def _sum_min_max(c0, a0, b0, c1, a1, b1):
 
 
 @triton.jit
-def _bisect(ptr, n, need, lo, hi, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
+def _bisect(ptr, n, seam, jump, need, lo, hi, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
     """The need-th largest v (see _scan), given #(v >= lo) >= need and no v >= hi (int64 bounds).
 
     Bisection that moves each bound onto a value present, so it takes about log2(distinct values)
@@ -94,7 +108,7 @@ def _bisect(ptr, n, need, lo, hi, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: 
     exact = tl.zeros((), dtype=tl.int32)
     n_hi = tl.zeros((), dtype=tl.int32)
     while hi - lo > 1:
-        cnt, above, below = _scan(ptr, n, (lo + (hi - lo) // 2).to(tl.int32), K, RAW, CH, TIES)
+        cnt, above, below = _scan(ptr, n, seam, jump, (lo + (hi - lo) // 2).to(tl.int32), K, RAW, CH, TIES)
         if cnt >= need:
             lo = above.to(tl.int64)
             if cnt == need:  # the need largest are exactly those counted: the smallest of them is it
@@ -107,17 +121,17 @@ def _bisect(ptr, n, need, lo, hi, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: 
 
 
 @triton.jit
-def _kth(ptr, n, need, lo, hi, RAW: tl.constexpr, CH: tl.constexpr):
+def _kth(ptr, n, seam, jump, need, lo, hi, RAW: tl.constexpr, CH: tl.constexpr):
     """(K, V): the need largest entries of ptr[0:n] are those with key > K, or key K and -position >= V.
 
     Needs every entry below the composite hi and at least need of them at or above lo. The key comes
     first; positions only matter when the entries of key K straddle the need-th.
     """
     lo_key = tl.maximum(lo >> 32, _I32_MIN + 1)  # empties and padding (key INT32_MIN) never count
-    key, exact, above = _bisect(ptr, n, need, lo_key, ((hi - 1) >> 32) + 1, 0, RAW, CH, False)
+    key, exact, above = _bisect(ptr, n, seam, jump, need, lo_key, ((hi - 1) >> 32) + 1, 0, RAW, CH, False)
     v = tl.full((), _I32_MIN, tl.int64)  # a count was exact: every entry of key K is in
     if exact == 0:  # positions are below 2**31 - 1, so -position lies in [INT32_MIN + 1, 1)
-        v = _bisect(ptr, n, need - above, tl.full((), _I32_MIN + 1, tl.int64), tl.full((), 1, tl.int64),
+        v = _bisect(ptr, n, seam, jump, need - above, tl.full((), _I32_MIN + 1, tl.int64), tl.full((), 1, tl.int64),
                     key.to(tl.int32), RAW, CH, True)[0]
     return key.to(tl.int32), v.to(tl.int32)
 
@@ -138,11 +152,11 @@ def _slots(f, TPB: tl.constexpr):
 
 
 @triton.jit
-def _emit(ptr, n, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TPB: tl.constexpr):
-    """Write the entries of ptr[0:n] selected by (K, V) (see _kth) to dst[0:], in no particular order."""
+def _emit(ptr, n, seam, jump, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TPB: tl.constexpr):
+    """Write the entries of the row (see _comps) selected by (K, V) (see _kth) to dst[0:], in no particular order."""
     base = tl.zeros((), dtype=tl.int32)
     for c0 in range(0, n, CH):
-        x = _comps(ptr, c0 + tl.arange(0, CH), n, RAW)
+        x = _comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW)
         key = (x >> 32).to(tl.int32)
         sel = (key > K) | ((key == K) & (x.to(tl.int32) + 1 >= V))
         slot, tot = _slots(sel.to(tl.int32), TPB)
@@ -150,13 +164,31 @@ def _emit(ptr, n, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TPB: tl.conste
         base += tot
 
 
+@triton.jit
+def _sort_decode(dst, val, k, KP: tl.constexpr):
+    """dst[0:k] composites -> sorted descending, then val[0:k] values and dst[0:k] positions (see decode)."""
+    tl.debug_barrier()  # the winners were written by other threads
+    j = tl.arange(0, KP)
+    x = tl.sort(tl.load(dst + j, mask=j < k, other=_MIN), descending=True)
+    key = (x >> 32).to(tl.int32)
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)  # order key -> fp32 bits (an involution)
+    pos = (~x.to(tl.int32)).to(tl.int64)  # the low word is 0xFFFFFFFF - position, -1 - position as int32
+    tl.debug_barrier()  # every thread has its winners before the positions overwrite them
+    tl.store(val + j, bits.to(tl.float32, bitcast=True), mask=j < k)
+    tl.store(dst + j, pos, mask=j < k)
+
+
 # W and cap unspecialized: rows then look unaligned, so the loads are not vectorized and keep the layout
 # of the scattered stores (no re-layout through shared memory between them).
 @triton.jit(do_not_specialize=["W", "cap"])
-def final_select_kernel(buf_ptr, out_ptr, scr_ptr, fast_ptr, next_ptr, R, W, k, cap, i_hi, i_lo,
-                        S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr):
+def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, next_ptr, R, W, C, k, cap, i_hi,
+                        i_lo, S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr,
+                        KP: tl.constexpr, USED: tl.constexpr):
     """out[r, :k] = the k largest composites of raw row r, unsorted; fast[r] = 1 where the pivots held.
 
+    With USED, only the first used[r] of the row's first C slots hold entries (the rest is never read).
+    With KP (a power of two >= k; 0: off) each row's winners are then sorted in registers and
+    decoded in place: val[r, :k] the canonical values, out[r, :k] the positions (int64), in order.
     Programs take rows from an atomic counter (next_ptr, zeroed), so a slow row holds up no other,
     and each keeps one scratch list of ``cap`` entries for all its rows.
     """
@@ -166,14 +198,19 @@ def final_select_kernel(buf_ptr, out_ptr, scr_ptr, fast_ptr, next_ptr, R, W, k, 
     while row < R:
         src = buf_ptr + row * W
         dst = out_ptr + row * k
-        samp = tl.sort(_comps(src, (j.to(tl.int64) * W) // S, W, True), descending=True)
+        n, seam, jump = W, W, 0
+        if USED:
+            seam = tl.load(used_ptr + row)
+            n, jump = W - (C - seam), C - seam
+        p = (j.to(tl.int64) * W) // S  # the pivots sample the physical row: unused slots count as empty
+        samp = tl.sort(_raw_comps(src, p, (p < seam) | (p >= C)), descending=True)
         hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
         hi = tl.where(hi == _MIN, _MAX, hi)  # no such rank, or an empty slot: nothing is a sure winner
         lo = tl.maximum(tl.max(tl.where(j == i_lo, samp, _MIN), axis=0), _MIN + 1)  # never admit empties
         n_hi = tl.zeros((), dtype=tl.int32)
         n_mid = tl.zeros((), dtype=tl.int32)
-        for c0 in range(0, W, CH):
-            x = _comps(src, c0 + tl.arange(0, CH), W, True)
+        for c0 in range(0, n, CH):
+            x = _comps(src, c0 + tl.arange(0, CH), n, seam, jump, True)
             sure = x >= hi
             mid = (x >= lo) & (x < hi)
             before, tot = _slots(sure.to(tl.int32) + (mid.to(tl.int32) << 16), TPB)  # both counts, one scan
@@ -187,11 +224,14 @@ def final_select_kernel(buf_ptr, out_ptr, scr_ptr, fast_ptr, next_ptr, R, W, k, 
         tl.store(fast_ptr + row, fast.to(tl.int8))
         tl.debug_barrier()  # the list is read below, and the slow path rewrites the slots written above
         if fast:
-            K, V = _kth(scr, n_mid, k - n_hi, lo, hi, False, LCH)
-            _emit(scr, n_mid, K, V, dst + n_hi, False, LCH, TPB)
+            K, V = _kth(scr, n_mid, n_mid, 0, k - n_hi, lo, hi, False, LCH)
+            _emit(scr, n_mid, n_mid, 0, K, V, dst + n_hi, False, LCH, TPB)
         else:  # the whole buffer is the list
-            K, V = _kth(src, W, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), True, CH)
-            _emit(src, W, K, V, dst, True, CH, TPB)
+            K, V = _kth(src, n, seam, jump, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), True,
+                        CH)
+            _emit(src, n, seam, jump, K, V, dst, True, CH, TPB)
+        if KP > 0:
+            _sort_decode(dst, val_ptr + row * k, k, KP)
         tl.debug_barrier()  # the next row overwrites the list
         row = tl.atomic_add(next_ptr, 1, sem="relaxed").to(tl.int64)
 
@@ -220,30 +260,68 @@ def _programs(device: torch.device) -> int:
     return 2
 
 
-def select_composites(buf: Tensor, k: int, *, sample: int = SAMPLE, ranks: tuple[int, int] | None = None,
-                      cap: int | None = None, chunk: int = CHUNK, list_chunk: int = LIST_CHUNK,
-                      warps: int = 4) -> tuple[Tensor, Tensor]:
-    """(composites [R, k] of each row's top k, unsorted; int8 [R], 1 where the row took the fast path).
+Used = tuple[Tensor, int] | None  # (int32 [R] counts, C): only the first counts[r] of slots [0, C) hold entries
 
-    Pivot ranks and list size default to ``pivot_ranks``; tests set them to force either path (and
-    small samples and chunks: the interpreter's sort is slow, and small chunks exercise the loops).
-    """
+
+def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used, sample: int,
+            ranks: tuple[int, int] | None, cap: int | None, chunk: int, list_chunk: int, warps: int) -> Tensor:
+    """Run the kernel over every row of buf into out (and values when sorting); returns the fast flags."""
     R, W = buf.shape
     assert buf.dtype == torch.int64 and buf.is_contiguous() and 1 <= k <= W
     assert chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15  # see _slots
     i_hi, i_lo, default_cap = pivot_ranks(k, W, sample)
     i_hi, i_lo = ranks if ranks is not None else (i_hi, i_lo)
     cap = default_cap if cap is None else cap
-    out = torch.empty(R, k, dtype=torch.int64, device=buf.device)
     fast = torch.empty(R, dtype=torch.int8, device=buf.device)
     if R == 0:
-        return out, fast
+        return fast
+    counts, C = used if used is not None else (fast, W)
+    assert counts.dtype in (torch.int8, torch.int32) and counts.shape == (R,) and 0 <= C <= W, "used: int32 [R], C"
     nprog = min(R, _programs(buf.device))
     scratch = torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)
     next_row = torch.zeros(1, dtype=torch.int32, device=buf.device)
-    final_select_kernel[(nprog,)](buf, out, scratch, fast, next_row, R, W, k, cap, i_hi, i_lo,
-                                  S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps, num_warps=warps)
-    return out, fast
+    kp = 0 if values is None else sort_width(k)
+    final_select_kernel[(nprog,)](buf, counts, out, out if values is None else values, scratch, fast, next_row, R, W,
+                                  C, k, cap, i_hi, i_lo, S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps, KP=kp,
+                                  USED=used is not None, num_warps=warps)
+    return fast
+
+
+def select_composites(buf: Tensor, k: int, *, used: Used = None, sample: int = SAMPLE,
+                      ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
+                      list_chunk: int = LIST_CHUNK, warps: int = 4) -> tuple[Tensor, Tensor]:
+    """(composites [R, k] of each row's top k, unsorted; int8 [R], 1 where the row took the fast path).
+
+    Pivot ranks and list size default to ``pivot_ranks``; tests set them to force either path (and
+    small samples and chunks: the interpreter's sort is slow, and small chunks exercise the loops).
+    """
+    out = torch.empty(buf.shape[0], k, dtype=torch.int64, device=buf.device)
+    return out, _launch(buf, k, out, None, used, sample, ranks, cap, chunk, list_chunk, warps)
+
+
+def sort_width(k: int) -> int:
+    """The in-kernel sort's width for k (a power of two), or 0 where k is past what registers hold."""
+    kp = 1 << max(0, (k - 1).bit_length())
+    return kp if kp <= SORT_MAX else 0
+
+
+def select_sorted(buf: Tensor, k: int, *, used: Used = None, sample: int = SAMPLE,
+                  ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
+                  list_chunk: int = LIST_CHUNK, warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
+    """(values fp32 [R, k], positions int64 [R, k], fast flags): ``select_rows`` with the knobs above.
+
+    Up to SORT_MAX winners are sorted and decoded by the kernel itself, in the positions' memory (the
+    composites and the positions have the same size), so no [R, k] temporary exists; past it the
+    composites go through ``torch.sort`` and ``decode``.
+    """
+    kw = dict(used=used, sample=sample, ranks=ranks, cap=cap, chunk=chunk, list_chunk=list_chunk, warps=warps)
+    if sort_width(k) == 0:
+        comp, fast = select_composites(buf, k, **kw)
+        return (*decode(torch.sort(comp, dim=1, descending=True).values), fast)
+    indices = torch.empty(buf.shape[0], k, dtype=torch.int64, device=buf.device)
+    values = torch.empty(buf.shape[0], k, dtype=torch.float32, device=buf.device)
+    fast = _launch(buf, k, indices, values, **kw)
+    return values, indices, fast
 
 
 def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
@@ -260,19 +338,24 @@ def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
     return bits.view(torch.float32), torch.bitwise_not(low).long()
 
 
-def select_rows(buf: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def select_rows(buf: Tensor, k: int, used: Used = None) -> tuple[Tensor, Tensor]:
     """Each row's k best raw entries of ``buf`` [R, W] int64 (fp32 bits << 32 | position; -1 empty).
 
     Returns (values fp32 [R, k], positions int64 [R, k]) ordered by value descending, ties by position
     ascending, NaN above +inf and -0.0 == +0.0, values canonical (NaN as 0x7FC00000, -0.0 as +0.0).
-    Every row must hold at least k entries.
+    Every row must hold at least k entries. With ``used = (counts, C)`` slots [counts[r], C) of row r
+    are unused, whatever they hold.
     """
-    comp, _ = select_composites(buf, k)
-    return decode(torch.sort(comp, dim=1, descending=True).values)
+    values, indices, _ = select_sorted(buf, k, used=used)
+    return values, indices
 
 
-def select_rows_reference(buf: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def select_rows_reference(buf: Tensor, k: int, used: Used = None) -> tuple[Tensor, Tensor]:
     """The same in plain PyTorch: composites of the whole buffer, torch.topk, decode in int64."""
+    if used is not None:
+        counts, C = used
+        slot = torch.arange(buf.shape[1], device=buf.device)
+        buf = torch.where((slot >= counts.view(-1, 1)) & (slot < C), -1, buf)
     pos = buf & 0xFFFFFFFF
     key = order_key_ref((buf >> 32).to(torch.int32).view(torch.float32))
     comp = torch.where(buf == -1, INT64_MIN, (key << 32) | (0xFFFFFFFF - pos))

@@ -1,7 +1,7 @@
 """HyTopK: exact top-k selection that never writes the score table (shared design notes, section 4).
 
     sample     -> per row, keys of M evenly spaced positions of its range       (sample_kernel)
-    threshold  -> the ceil(target*m/ctx)-th best sample; resets the row buffer   (threshold_kernel)
+    threshold  -> the ceil(target*m/ctx)-th best sample; writes the row's extras (threshold_kernel)
     filter     -> score tiles on chip, append composites >= threshold            (block_kernel)
     check      -> flag rows whose buffer overflowed or may miss part of the top-k (torch, on device)
     recovery   -> flagged rows: radix select over recomputed scores              (recover_kernel)
@@ -40,7 +40,7 @@ from .filter_kernels import (
     sample_kernel,
     threshold_kernel,
 )
-from .final_select import decode, select_composites, select_rows_reference
+from .final_select import select_rows, select_rows_reference
 from .reference import Visibility, order_key
 from .score_tile import act_kind, block_d
 from .select_kernels import PASSES, recover_kernel
@@ -54,6 +54,7 @@ class Knobs:
     target: int | None = None  # candidates aimed for per row (a tiny one forces too-few -> recovery)
     samples: int | None = None  # sample positions per query block
     programs: int | None = None  # programs to aim for per launch
+    sample_split: int | None = None  # sampling programs per query block (default: one per sample tile)
     rescore_tile: bool = False  # rescore through whole score tiles (slow cross-check of the row kernel)
 
 
@@ -190,20 +191,19 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
         return (torch.empty(B, T, k, dtype=torch.float32, device=q.device),
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
-    buf = candidates(pb, k)
+    buf, used = candidates(pb, k)
     if os.environ.get("TRITON_INTERPRET") == "1":
         # the interpreter runs the final kernel too slowly for whole-select tests;
         # tests/kernels/test_final_select.py checks it against this reference bit for bit
-        values, indices = select_rows_reference(buf, k)
+        values, indices = select_rows_reference(buf, k, used)
     else:
-        comp, _ = select_composites(buf, k)
-        del buf  # the sort and the decode reuse the candidate buffer's memory
-        values, indices = decode(torch.sort(comp, dim=1, descending=True).values)
+        values, indices = select_rows(buf, k, used)
     return values.view(B, T, k), indices.view(B, T, k)
 
 
-def candidates(pb: _Problem, k: int) -> Tensor:
-    """Row buffers [R, C + k] of raw entries that contain each row's exact top k (all stages but the last)."""
+def candidates(pb: _Problem, k: int) -> tuple[Tensor, tuple[Tensor, int]]:
+    """Row buffers [R, C + k] of raw entries that contain each row's exact top k (all stages but the
+    last), and which of their C candidate slots are used: (int32 [R] counts, C); the rest is garbage."""
     R = pb.B * pb.T
     buf, thr = sample_threshold(pb, k)
     _, cap, _ = sizes(k, pb.S)
@@ -213,11 +213,13 @@ def candidates(pb: _Problem, k: int) -> Tensor:
     flag = (cnt > cap) | (cnt.long() + ext < k)
     _recover(pb, k, flag, buf, buf.shape[1])
     stats.record(pb.device, R, flag.sum(), cnt.clamp(max=cap).sum())
-    return buf
+    # a recovered row holds its k entries from slot 0 and sentinels after them, up to the row's end
+    used = torch.where(flag, min(k, cap), cnt.clamp(max=cap))
+    return buf, (used, cap)
 
 
 def sample_threshold(pb: _Problem, k: int) -> tuple[Tensor, Tensor]:
-    """(row buffers reset to sentinels with the out-of-range extras in place, int32 row thresholds)."""
+    """(row buffers with the out-of-range extras in place, int32 row thresholds)."""
     buf, samp, msamp = sample(pb, k)
     return buf, threshold(pb, k, buf, samp, msamp)
 
@@ -233,14 +235,15 @@ def sample(pb: _Problem, k: int) -> tuple[Tensor, Tensor, Tensor]:
     samp = buf.view(torch.int32)  # samples live in the row's own slots until the threshold is taken
     msamp = torch.zeros(R, dtype=torch.int32, device=dev)
     if S > cap:
-        split = cdiv(M, pb.tile.bs)  # every sample tile its own program
+        split = knobs.sample_split or cdiv(M, pb.tile.bs)  # every sample tile its own program
         pb.launch(sample_kernel, (split, B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask,
                   pb.bias, T, S, pb.H, pb.scale, pb.fill, M, 2 * width, split)
     return buf, samp, msamp
 
 
 def threshold(pb: _Problem, k: int, buf: Tensor, samp: Tensor, msamp: Tensor) -> Tensor:
-    """Per-row int32 threshold keys from the samples; resets the buffers and writes the extras."""
+    """Per-row int32 threshold keys from the samples; writes the extras (candidate slots are left as they are:
+    the final select reads only as many as the filter appended)."""
     R, S = pb.B * pb.T, pb.S
     target, cap, M = sizes(k, S)
     width = cap + k

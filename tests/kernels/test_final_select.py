@@ -51,18 +51,21 @@ def rows_of(values, R: int, W: int, n_valid, *, seed: int, max_pos: int | None =
 
 
 def check(buf: torch.Tensor, k: int, fast: bool | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """select (through select_composites with kw, or select_rows without) == reference, bit for bit."""
+    """select == reference, bit for bit: with kw both the in-kernel sort (select_sorted) and the
+    composites through torch.sort (select_composites); without kw select_rows."""
+    ref_v, ref_i = fs.select_rows_reference(buf, k, kw.get("used"))
     if kw:
         comp, took = fs.select_composites(buf, k, **kw)
-        values, indices = fs.decode(torch.sort(comp, dim=1, descending=True).values)
-        if fast is not None:
-            assert bool((took == int(fast)).all()), f"fast path per row {took.tolist()}, wanted {fast}"
+        results = [(*fs.decode(torch.sort(comp, dim=1, descending=True).values), took)]
+        results.append(fs.select_sorted(buf, k, **kw))
     else:
-        values, indices = fs.select_rows(buf, k)
-    ref_v, ref_i = fs.select_rows_reference(buf, k)
-    assert values.dtype == torch.float32 and indices.dtype == torch.int64 and values.shape == (buf.shape[0], k)
-    assert torch.equal(values.view(torch.int32), ref_v.view(torch.int32)), f"values differ:\n{values}\n{ref_v}"
-    assert torch.equal(indices, ref_i), f"indices differ:\n{indices}\n{ref_i}"
+        results = [(*fs.select_rows(buf, k), None)]
+    for values, indices, took in results:
+        if fast is not None and took is not None:
+            assert bool((took == int(fast)).all()), f"fast path per row {took.tolist()}, wanted {fast}"
+        assert values.dtype == torch.float32 and indices.dtype == torch.int64 and values.shape == (buf.shape[0], k)
+        assert torch.equal(values.view(torch.int32), ref_v.view(torch.int32)), f"values differ:\n{values}\n{ref_v}"
+        assert torch.equal(indices, ref_i), f"indices differ:\n{indices}\n{ref_i}"
     return values, indices
 
 
@@ -209,9 +212,42 @@ def test_pivot_edges():
     check(sparse, k, fast=True, **dict(SMALL, ranks=(31, 32), cap=W))  # hi an empty slot: nothing is sure
 
 
+def test_unused_slots_are_never_read():
+    """used = (counts, C): slots [counts[r], C) hold garbage (the filter's unused candidate slots, old
+    samples) that must not count; the extras after C do, and so do sentinels among them."""
+    R, W, C, k = 4, 160, 120, 14
+    g = torch.Generator().manual_seed(30)
+    buf = rows_of(torch.randint(-4, 5, (R, W), generator=g) / 2, R, W, W, seed=31)
+    garbage = raw(torch.full((R, W), 1e30), torch.arange(W).expand(R, W))  # would win everything if read
+    counts = torch.tensor([0, 7, 60, C], dtype=torch.int32)
+    slot = torch.arange(W)
+    hole = (slot >= counts.view(-1, 1)) & (slot < C)
+    buf = torch.where(hole.to(DEV), garbage.to(DEV), buf)
+    buf[0, C + 20:] = SENTINEL  # row 0: 20 extras only
+    used = (counts.to(DEV), C)
+    v, _ = check(buf, k, used=used, **SMALL)
+    assert not bool((v == 1e30).any())
+    check(buf, k, fast=False, used=used, **dict(SMALL, cap=1))  # the slow path jumps the hole too
+    check(buf, 20, used=used, **dict(SMALL, ranks=(-1, 32), cap=W))
+    v2, i2 = fs.select_rows(buf, k, used)
+    r2 = fs.select_rows_reference(buf, k, used)
+    assert torch.equal(v2.view(torch.int32), r2[0].view(torch.int32)) and torch.equal(i2, r2[1])
+
+
+def test_k_past_the_in_kernel_sort(monkeypatch):
+    """Past SORT_MAX the kernel leaves the winners unsorted and torch.sort orders them: still exact."""
+    R, W, k = 3, 90, 20
+    g = torch.Generator().manual_seed(28)
+    buf = rows_of(torch.randint(-3, 4, (R, W), generator=g).float(), R, W, [90, 45, 20], seed=29)
+    monkeypatch.setattr(fs, "SORT_MAX", 16)
+    assert fs.sort_width(k) == 0 and fs.sort_width(16) == 16
+    check(buf, k, **SMALL)
+    check(buf, 16, **SMALL)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("R,W,k", [(4096, 13824, 2048), (1024, 5376, 512)])
+@pytest.mark.parametrize("R,W,k", [(4096, 13824, 2048), (1024, 5376, 512), (1024, 7000, 1000), (256, 16000, 3000)])
 @pytest.mark.parametrize("kind", ["scattered", "packed_relu", "few_values"])
 def test_gpu_real_sizes(R, W, k, kind):
     """Real sizes, bitwise against the reference; nearly every row should take the fast path."""
@@ -228,7 +264,7 @@ def test_gpu_real_sizes(R, W, k, kind):
         rank = torch.arange(W, device="cuda").expand(R, W)
     else:  # ties everywhere, the largest positions
         values = torch.randint(-3, 4, (R, W), device="cuda", generator=g).float()
-        pos = 2**31 - 2 - pos * 150000
+        pos = 2**31 - 2 - pos * ((2**31 - 2) // W)  # spread down to 0: positions stay in [0, 2**31 - 1)
         n_valid = torch.full((R, 1), W, device="cuda")
         rank = torch.zeros(R, W, dtype=torch.int64, device="cuda")
     buf = torch.where(rank < n_valid, raw(values, pos), SENTINEL)
