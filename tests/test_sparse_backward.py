@@ -133,8 +133,13 @@ def test_triton_matches_reference(mask, weights, relu, deterministic, monkeypatc
         _close(a, b, 1e-5)
 
 
-def test_triton_deterministic_is_bitwise_repeatable_with_duplicate_keys():
-    """Many rows pick the same few keys: the segmented reduction must give the same bits every run."""
+@pytest.mark.parametrize("picks_per_step", [2, 16])
+def test_triton_deterministic_is_bitwise_repeatable_with_duplicate_keys(picks_per_step, monkeypatch):
+    """Many rows pick the same few keys: the segmented reduction must give the same bits every run
+    (with 2 picks a step, each key's segment takes several steps)."""
+    from hyscale_compile.runtime import sparse_backward as sb
+
+    monkeypatch.setattr(sb, "SEGMENT_PICKS", picks_per_step)
     q, kx, w, gv = _problem(T=9, S=7, K=5, device=DEVICE)
     B, T = q.shape[:2]
     _, idx = reference.select(q, kx, w, 5, 1.0, False, Visibility(), float("-inf"))

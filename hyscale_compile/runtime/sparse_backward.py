@@ -33,6 +33,9 @@ PREFER_DETERMINISTIC = True
 # (at 1 GiB it set the step's peak memory on the H200).
 _CONTRIB_BYTES = 1 << 28
 
+# Picks a segment program loads at once (a key has T*K/S of them on average: 64 at 2048 x 2048 / 65536).
+SEGMENT_PICKS = 16
+
 
 @triton.jit
 def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, contrib_ptr,
@@ -106,20 +109,26 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
 
 
 @triton.jit
-def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, D, BD: tl.constexpr):
-    # One program per key position p = b * S + s: add its picks in sorted (stable) order.
+def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, D, BD: tl.constexpr, BP: tl.constexpr):
+    # One program per key position p = b * S + s: add its picks in their sorted (stable) order, BP at a
+    # time: lane i of the [BP, BD] partial sums takes picks i, i + BP, ... in turn, then the lanes are
+    # summed by one fixed tree. The order depends only on the picks, so the bits are the same every run,
+    # and the BP loads of a step are independent (one pick per step was latency-bound).
     p = tl.program_id(0).to(tl.int64)
     ds = tl.arange(0, BD)
+    ps = tl.arange(0, BP)
     dmask = ds < D
     start = tl.load(seg_ptr + p)
     end = tl.load(seg_ptr + p + 1)
-    acc = tl.load(dkx_ptr + p * D + ds, mask=dmask, other=0.0)
+    part = tl.zeros((BP, BD), dtype=tl.float32)
     i = start
     while i < end:
-        src = tl.load(perm_ptr + i)
-        acc += tl.load(contrib_ptr + src * D + ds, mask=dmask, other=0.0)
-        i += 1
-    tl.store(dkx_ptr + p * D + ds, acc, mask=dmask)
+        ok = i + ps < end
+        src = tl.load(perm_ptr + i + ps, mask=ok, other=0).to(tl.int64)
+        part += tl.load(contrib_ptr + src[:, None] * D + ds[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+        i += BP
+    acc = tl.load(dkx_ptr + p * D + ds, mask=dmask, other=0.0)
+    tl.store(dkx_ptr + p * D + ds, acc + tl.sum(part, axis=0), mask=dmask)
 
 
 def _precision(low: bool) -> str:
@@ -145,6 +154,8 @@ def _masked_grad(grad_values: Tensor, indices: Tensor, vis: Visibility, S: int) 
 
 def _segments(keys: Tensor, n_keys: int) -> tuple[Tensor, Tensor]:
     """Stable order of picks by key and each key's [start, end) in that order (no host sync)."""
+    if n_keys < 2**31:
+        keys = keys.to(torch.int32)  # a radix sort of half the passes
     sorted_keys, perm = torch.sort(keys, stable=True)
     bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=keys.device, dtype=keys.dtype))
     return perm.contiguous(), bounds.contiguous()
@@ -187,7 +198,7 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         if not use_atomics:
             keys = (idx[:, t0:t0 + R] + torch.arange(B, device=q.device).view(B, 1, 1) * S).reshape(-1)
             perm, seg = _segments(keys, B * S)
-            _segment_kernel[(B * S,)](contrib, perm, seg, dkx, D, BD=BD)
+            _segment_kernel[(B * S,)](contrib, perm, seg, dkx, D, BD=BD, BP=SEGMENT_PICKS)
     return _finish(dq, dkx, dw, q, kx, weights)
 
 
