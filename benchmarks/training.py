@@ -157,8 +157,20 @@ def sparse_backward_ms(inputs, k: int, iters: int, device: str) -> dict:
                 run()
             _sync(device)
             out["deterministic_ms" if det else "atomic_ms"] = (time.perf_counter() - t0) * 1e3 / iters
+        for picks in (16, 64):  # picks per step of the row kernel (the default rule takes 32 here)
+            sb.ROW_PICKS = picks
+            run = lambda: sb.sparse_backward(g, q.detach(), kx.detach(), w.detach().float(), idx, 0.1, True, vis,
+                                             deterministic=True)
+            run()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run()
+            _sync(device)
+            out[f"deterministic_rowpicks{picks}_ms"] = (time.perf_counter() - t0) * 1e3 / iters
     finally:
         sb.PREFER_DETERMINISTIC = old
+        sb.ROW_PICKS = None
     return out
 
 

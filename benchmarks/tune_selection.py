@@ -2,8 +2,9 @@
 
 This is the measurement behind ``TileConfig``'s defaults: for each tile config, the scoring floor,
 the filter's compare alone, the filter with each append variant, sampling (and, for the first config,
-with fewer sampling programs), the threshold, the final select (and its variants), the whole select, and whether the result is bit-identical to the first config's. It also
-times the per-row rescore kernel against the whole-tile one and checks they agree bit for bit.
+with fewer sampling programs), the threshold, the final select (and its variants), the whole select,
+and whether the result is bit-identical to the first config's. It also times the per-row rescore
+kernel against the whole-tile one and checks they agree bit for bit.
 
     python benchmarks/tune_selection.py [--out results/tune_selection.json] [--shapes 0,1]
 """

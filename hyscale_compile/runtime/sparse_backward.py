@@ -33,6 +33,8 @@ PREFER_DETERMINISTIC = True
 # (at 1 GiB it set the step's peak memory on the H200).
 _CONTRIB_BYTES = 1 << 28
 
+ROW_PICKS: int | None = None  # picks per step of a row program (None: 32, or 16 past 4096 head x dim elements)
+
 # Picks a segment program loads at once (a key has T*K/S of them on average: 64 at 2048 x 2048 / 65536).
 SEGMENT_PICKS = 16
 
@@ -186,7 +188,7 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         dw.zero_()
         return _finish(dq, dkx, dw, q, kx, weights)
     BH, BD = _pow2(H), _pow2(D)
-    BK = 32 if BH * BD <= 4096 else 16
+    BK = ROW_PICKS or (32 if BH * BD <= 4096 else 16)
     rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
