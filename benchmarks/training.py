@@ -134,7 +134,8 @@ def rescore_ms(inputs, k: int, iters: int, device: str) -> float:
 
 
 def sparse_backward_ms(inputs, k: int, iters: int, device: str) -> dict:
-    """Deterministic vs atomic dkx in the sparse backward kernel (decides PREFER_DETERMINISTIC)."""
+    """Deterministic vs atomic dkx in the sparse backward kernel (decides PREFER_DETERMINISTIC): device
+    time from CUDA events (the step times above are wall times, host included)."""
     from hyscale_compile.runtime import reference
     from hyscale_compile.runtime import sparse_backward as sb
 
@@ -150,28 +151,30 @@ def sparse_backward_ms(inputs, k: int, iters: int, device: str) -> dict:
         for det in (True, False):
             run = lambda det=det: sb.sparse_backward(g, q.detach(), kx.detach(), w.detach().float(), idx, 0.1,
                                                      True, vis, deterministic=det)
-            run()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                run()
-            _sync(device)
-            out["deterministic_ms" if det else "atomic_ms"] = (time.perf_counter() - t0) * 1e3 / iters
+            out["deterministic_ms" if det else "atomic_ms"] = round(_device_ms(run, iters), 3)
         for picks in (16, 64):  # picks per step of the row kernel (the default rule takes 32 here)
             sb.ROW_PICKS = picks
             run = lambda: sb.sparse_backward(g, q.detach(), kx.detach(), w.detach().float(), idx, 0.1, True, vis,
                                              deterministic=True)
-            run()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                run()
-            _sync(device)
-            out[f"deterministic_rowpicks{picks}_ms"] = (time.perf_counter() - t0) * 1e3 / iters
+            out[f"deterministic_rowpicks{picks}_ms"] = round(_device_ms(run, iters), 3)
     finally:
         sb.PREFER_DETERMINISTIC = old
         sb.ROW_PICKS = None
     return out
+
+
+def _device_ms(fn, iters: int) -> float:
+    """Median device time of fn over iters calls (CUDA events), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -133,13 +133,13 @@ def test_triton_matches_reference(mask, weights, relu, deterministic, monkeypatc
         _close(a, b, 1e-5)
 
 
-@pytest.mark.parametrize("picks_per_step", [2, 16])
-def test_triton_deterministic_is_bitwise_repeatable_with_duplicate_keys(picks_per_step, monkeypatch):
-    """Many rows pick the same few keys: the segmented reduction must give the same bits every run
-    (with 2 picks a step, each key's segment takes several steps)."""
+@pytest.mark.parametrize("keys_per_program", [1, 4, 16])
+def test_triton_deterministic_is_bitwise_repeatable_with_duplicate_keys(keys_per_program, monkeypatch):
+    """Many rows pick the same few keys: the segmented reduction must give the same bits every run,
+    and the same bits however many keys a program reduces (each key adds its picks in sorted order)."""
     from hyscale_compile.runtime import sparse_backward as sb
 
-    monkeypatch.setattr(sb, "SEGMENT_PICKS", picks_per_step)
+    monkeypatch.setattr(sb, "SEGMENT_KEYS", keys_per_program)
     q, kx, w, gv = _problem(T=9, S=7, K=5, device=DEVICE)
     B, T = q.shape[:2]
     _, idx = reference.select(q, kx, w, 5, 1.0, False, Visibility(), float("-inf"))
@@ -148,6 +148,9 @@ def test_triton_deterministic_is_bitwise_repeatable_with_duplicate_keys(picks_pe
         again = _triton(gv, q, kx, w, idx, 1.0, False, Visibility(), True)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
+    monkeypatch.setattr(sb, "SEGMENT_KEYS", 2)  # 7 keys: the last program has one past the end
+    for a, b in zip(first, _triton(gv, q, kx, w, idx, 1.0, False, Visibility(), True)):
+        assert torch.equal(a, b)
     want = reference.sparse_backward(gv, q, kx, w, idx, 1.0, False, Visibility())
     for a, b in zip(first, want):
         _close(a, b, 1e-5)

@@ -30,13 +30,12 @@ from .reference import Visibility
 PREFER_DETERMINISTIC = True
 
 # Upper bound on the fp32 contribution buffer of the deterministic path; rows go in chunks under it
-# (at 1 GiB it set the step's peak memory on the H200).
-_CONTRIB_BYTES = 1 << 28
+# (at 1 GiB it set the step's peak memory on the H200; each chunk costs a sort and three launches).
+_CONTRIB_BYTES = 1 << 29
 
 ROW_PICKS: int | None = None  # picks per step of a row program (None: 32, or 16 past 4096 head x dim elements)
 
-# Picks a segment program loads at once (a key has T*K/S of them on average: 64 at 2048 x 2048 / 65536).
-SEGMENT_PICKS = 16
+SEGMENT_KEYS = 16  # key positions per program of the deterministic dkx reduction
 
 
 @triton.jit
@@ -111,26 +110,25 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
 
 
 @triton.jit
-def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, D, BD: tl.constexpr, BP: tl.constexpr):
-    # One program per key position p = b * S + s: add its picks in their sorted (stable) order, BP at a
-    # time: lane i of the [BP, BD] partial sums takes picks i, i + BP, ... in turn, then the lanes are
-    # summed by one fixed tree. The order depends only on the picks, so the bits are the same every run,
-    # and the BP loads of a step are independent (one pick per step was latency-bound).
-    p = tl.program_id(0).to(tl.int64)
+def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, n_keys, D, BD: tl.constexpr, BKEY: tl.constexpr):
+    # BKEY key positions p = b * S + s per program, each adding its picks one after another in their
+    # sorted (stable) order: the bits depend only on the picks. One key per program was bound by how
+    # fast programs start (a key has T*K/S picks on average, split over the row chunks: a handful).
+    p = tl.program_id(0).to(tl.int64) * BKEY + tl.arange(0, BKEY)
     ds = tl.arange(0, BD)
-    ps = tl.arange(0, BP)
-    dmask = ds < D
-    start = tl.load(seg_ptr + p)
-    end = tl.load(seg_ptr + p + 1)
-    part = tl.zeros((BP, BD), dtype=tl.float32)
-    i = start
-    while i < end:
-        ok = i + ps < end
-        src = tl.load(perm_ptr + i + ps, mask=ok, other=0).to(tl.int64)
-        part += tl.load(contrib_ptr + src[:, None] * D + ds[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
-        i += BP
-    acc = tl.load(dkx_ptr + p * D + ds, mask=dmask, other=0.0)
-    tl.store(dkx_ptr + p * D + ds, acc + tl.sum(part, axis=0), mask=dmask)
+    pmask = p < n_keys
+    tile = pmask[:, None] & (ds < D)[None, :]
+    start = tl.load(seg_ptr + p, mask=pmask, other=0)
+    count = tl.load(seg_ptr + p + 1, mask=pmask, other=0) - start
+    acc = tl.load(dkx_ptr + p[:, None] * D + ds[None, :], mask=tile, other=0.0)
+    n = tl.max(count, axis=0)
+    i = 0
+    while i < n:
+        ok = i < count
+        src = tl.load(perm_ptr + start + i, mask=ok, other=0).to(tl.int64)
+        acc += tl.load(contrib_ptr + src[:, None] * D + ds[None, :], mask=ok[:, None] & tile, other=0.0)
+        i += 1
+    tl.store(dkx_ptr + p[:, None] * D + ds[None, :], acc, mask=tile)
 
 
 def _precision(low: bool) -> str:
@@ -200,7 +198,8 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         if not use_atomics:
             keys = (idx[:, t0:t0 + R] + torch.arange(B, device=q.device).view(B, 1, 1) * S).reshape(-1)
             perm, seg = _segments(keys, B * S)
-            _segment_kernel[(B * S,)](contrib, perm, seg, dkx, D, BD=BD, BP=SEGMENT_PICKS)
+            _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS),)](contrib, perm, seg, dkx, B * S, D, BD=BD,
+                                                                 BKEY=SEGMENT_KEYS)
     return _finish(dq, dkx, dw, q, kx, weights)
 
 
