@@ -232,12 +232,16 @@ def sample(pb: _Problem, k: int) -> tuple[Tensor, Tensor, Tensor]:
     width = cap + k
     dev = pb.device
     buf = torch.empty(R, width, dtype=torch.int64, device=dev)
-    samp = buf.view(torch.int32)  # samples live in the row's own slots until the threshold is taken
+    if M <= 2 * width:
+        samp = buf.view(torch.int32)  # samples live in the row's own slots until the threshold is taken
+    else:  # a small k with a long context (or a tiny capacity): the row's slots hold fewer than M keys
+        samp = torch.empty(R, M, dtype=torch.int32, device=dev)
+    assert samp.shape[1] >= M  # the kernel writes M keys per row: never into the next row or past the end
     msamp = torch.zeros(R, dtype=torch.int32, device=dev)
     if S > cap:
         split = knobs.sample_split or cdiv(M, pb.tile.bs)  # every sample tile its own program
         pb.launch(sample_kernel, (split, B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask,
-                  pb.bias, T, S, pb.H, pb.scale, pb.fill, M, 2 * width, split)
+                  pb.bias, T, S, pb.H, pb.scale, pb.fill, M, samp.stride(0), split)
     return buf, samp, msamp
 
 
@@ -249,7 +253,7 @@ def threshold(pb: _Problem, k: int, buf: Tensor, samp: Tensor, msamp: Tensor) ->
     width = cap + k
     thr = torch.empty(R, dtype=torch.int32, device=pb.device)
     mb = max(16, 1 << max(0, (M - 1).bit_length()))
-    threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, S, k, cap, target, M, 2 * width, width,
+    threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, S, k, cap, target, M, samp.stride(0), width,
                            fill_bits(pb.fill), SAMPLED=S > cap, MB=mb, EB=1024, num_warps=8)
     return thr
 

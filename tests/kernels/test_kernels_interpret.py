@@ -212,6 +212,18 @@ def test_recovery_ties_and_fill():
     assert stats.read().rows_recovered > 0
 
 
+def test_more_samples_than_a_row_buffer_holds():
+    """M sample keys need M int32 per row: with a small k and capacity the row's own slots are too few,
+    so they go to a buffer of their own (they once ran into the next row and past the buffer's end)."""
+    q, kx, w = inputs(B=2, T=4, S=120, seed=13)
+    vis = Visibility(causal=True, offset=116)
+    with knobs(capacity=6, target=3, samples=64):
+        pb = hytopk._Problem(q, kx, w, 0.5, True, vis, NEG_INF)
+        buf, samp, _ = hytopk.sample(pb, 5)
+        assert buf.shape[1] * 2 < 64 and samp.shape == (8, 64) and samp.data_ptr() != buf.data_ptr()
+        check(q, kx, w, 5, vis=vis)
+
+
 def test_past_64_rows_fallback_exact():
     q, kx, w = inputs(B=1, T=70, H=1, S=100, seed=11)
     stats.reset()
