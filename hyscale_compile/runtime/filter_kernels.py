@@ -216,6 +216,9 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
     """Keys of M evenly spaced positions of the block's range, shared by its rows (one matmul tile).
 
     SPLIT programs share a block's samples; the per-row count of valid samples is an integer atomic sum.
+    Without mask or bias the range test runs on 32-bit offsets from the block's start: the 64-bit
+    compares of tile_values over the whole tile made this kernel spill (255 registers and 1.4 KB of
+    stack on sm_90).
     """
     split = tl.program_id(0)  # fastest: the programs running together share one query block's q in L2
     b = tl.program_id(1).to(tl.int64)
@@ -223,25 +226,37 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
     rows_t, row_ok, rid, lo, hi, blo, bhi = _block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
     bctx = tl.maximum(bhi - blo, 0)
     n = tl.minimum(bctx, M)
+    # position of sample j: blo + (j * bctx) // M = blo + j * step + (j * rem) // M, where j * rem < M * M
+    # fits 32 bits (a 64-bit division per column was most of the kernel's integer work)
+    step = tl.where(bctx > M, bctx // M, 1).to(tl.int32)
+    rem = tl.where(bctx > M, bctx % M, 0).to(tl.int32)
     q_rows = b * sqb + rows_t * sqt
     w_rows = b * swb + rows_t * swt
     kx_b = kx_ptr + b * skb
     rows_b = rows_t * 0 + b
+    lo_rel = (tl.maximum(lo, blo) - blo).to(tl.int32)  # row ranges as offsets from blo (all < 2**31)
+    hi_rel = (tl.maximum(hi, blo) - blo).to(tl.int32)
     m = tl.zeros((BT,), dtype=tl.int32)
     for j0 in range(split * BS, M, SPLIT * BS):
-        j = j0 + tl.arange(0, BS).to(tl.int64)
+        j32 = j0 + tl.arange(0, BS)
+        j = j32.to(tl.int64)
         j_ok = j < n
-        cols = tl.where(j_ok, blo + tl.where(bctx > M, (j * bctx) // M, j), 0)
+        cols = tl.where(j_ok, blo + (j32 * step + (j32 * rem) // M).to(tl.int64), 0)
         key = tl.full((BT, BS), -2147483648, tl.int32)
         ok = row_ok[:, None] & j_ok[None, :]
         if j0 < n:
             acc = score_tile(q_ptr, kx_b, w_ptr, q_rows, w_rows, cols * sks, row_ok, j_ok,
                              H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC)
-            val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, j_ok, lo, hi, fill,
-                                        mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
-            ok = ok & in_range
-            key = tl.where(ok, order_key(val), key)
-        m += tl.sum(ok.to(tl.int32), axis=1)
+            if HAS_MASK or HAS_BIAS:
+                val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, j_ok, lo, hi, fill,
+                                            mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK,
+                                            HAS_BIAS)
+            else:  # the score is the value; the range test in 32-bit offsets from blo
+                rel = (cols - blo).to(tl.int32)
+                val = acc
+                in_range = (rel[None, :] >= lo_rel[:, None]) & (rel[None, :] < hi_rel[:, None])
+            key = tl.where(ok & in_range, order_key(val), key)
+        m += tl.sum((key != -2147483648).to(tl.int32), axis=1)  # no order key is INT32_MIN (-inf's is above)
         tl.store(samp_ptr + rid[:, None] * samp_stride + j[None, :], key, mask=row_ok[:, None] & (j < M)[None, :])
     tl.atomic_add(msamp_ptr + rid, m, mask=row_ok & (m > 0))
 

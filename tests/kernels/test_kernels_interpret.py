@@ -224,6 +224,48 @@ def test_more_samples_than_a_row_buffer_holds():
         check(q, kx, w, 5, vis=vis)
 
 
+def _sample_keys_reference(values, lo, hi, M: int, bt: int):
+    """What sample_kernel writes: per query block, positions blo + (j * bctx) // M of the block's union
+    range (j < min(bctx, M)); a row's key there if the position is in its own range, else INT32_MIN."""
+    B, T, S = values.shape
+    keys = torch.full((B, T, M), -(2**31), dtype=torch.int32)
+    for b in range(B):
+        for t0 in range(0, T, bt):
+            rlo, rhi = lo[b, t0:t0 + bt], hi[b, t0:t0 + bt]
+            blo = int(rlo[rhi > rlo].min()) if bool((rhi > rlo).any()) else S
+            bctx = max(int(rhi.max()) - blo, 0)
+            j = torch.arange(M)
+            pos = blo + (j * bctx // M if bctx > M else j)
+            ok = (j < min(bctx, M))[None, :] & (pos[None, :] >= rlo[:, None]) & (pos[None, :] < rhi[:, None])
+            v = values[b, t0:t0 + bt][:, pos.clamp(max=S - 1)]
+            keys[b, t0:t0 + bt] = torch.where(ok, reference.order_key(v), keys[b, t0:t0 + bt])
+    return keys
+
+
+@pytest.mark.parametrize("capacity", [16, 400])  # samples in a buffer of their own, and in the row's slots
+@pytest.mark.parametrize("case", ["causal", "windows_mask"])
+def test_sample_keys_match_reference(case, capacity):
+    """The threshold only steers performance (results are exact whatever it is), so the sample keys get
+    a test of their own: strided positions (701 keys, 300 samples: step 2, remainder 101), two query
+    blocks, rows whose ranges differ, and a mask (masked positions in range are samples of value fill)."""
+    B, T, S, M = 2, 70, 701, 300
+    q, kx, w = inputs(B=B, T=T, S=S, seed=14)
+    if case == "causal":
+        vis = Visibility(causal=True, offset=S - T)
+    else:
+        g = torch.Generator().manual_seed(15)
+        starts = torch.randint(0, 300, (B, T), generator=g)
+        ends = starts + torch.randint(0, 400, (B, T), generator=g)
+        vis = Visibility(starts=starts, ends=ends, mask=torch.rand(B, T, S, generator=g) < 0.8)
+    with knobs(capacity=capacity, target=8, samples=M):
+        pb = hytopk._Problem(q, kx, w, 0.5, True, vis, -3.0)
+        _, samp, msamp = hytopk.sample(pb, 5)
+    values = reference.value_rows(q, kx, w, 0.5, True, vis, -3.0, 0, T)
+    want = _sample_keys_reference(values, pb.lo, pb.hi, M, pb.tile.bt).view(B * T, M)
+    assert torch.equal(samp[:, :M], want)
+    assert torch.equal(msamp, (want != -(2**31)).sum(1).to(torch.int32))
+
+
 def test_past_64_rows_fallback_exact():
     q, kx, w = inputs(B=1, T=70, H=1, S=100, seed=11)
     stats.reset()
