@@ -89,6 +89,7 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
     row["final_kernel_ms"] = bench(lambda: final_select.select_rows(full, k, used))
     # the final select's variants: in-kernel sort at 4 and 8 warps, or composites + torch.sort + decode
     row["final_kernel_8warps_ms"] = bench(lambda: final_select.select_sorted(full, k, used=used, warps=8))
+    row["final_unsorted_ms"] = bench(lambda: final_select.select_sorted(full, k, used=used, sort=False))
     comp, fast = final_select.select_composites(full, k, used=used)
     row["final_fast_path_rows"] = int(fast.sum())
     row["final_select_kernel_ms"] = bench(lambda: final_select.select_composites(full, k, used=used))

@@ -165,17 +165,35 @@ def _emit(ptr, n, seam, jump, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TP
 
 
 @triton.jit
-def _sort_decode(dst, val, k, KP: tl.constexpr):
-    """dst[0:k] composites -> sorted descending, then val[0:k] values and dst[0:k] positions (see decode)."""
-    tl.debug_barrier()  # the winners were written by other threads
-    j = tl.arange(0, KP)
-    x = tl.sort(tl.load(dst + j, mask=j < k, other=_MIN), descending=True)
+def _decode_words(x):
+    """Composites -> (canonical fp32 values, int64 positions); see decode."""
     key = (x >> 32).to(tl.int32)
     bits = key ^ ((key >> 31) & 0x7FFFFFFF)  # order key -> fp32 bits (an involution)
     pos = (~x.to(tl.int32)).to(tl.int64)  # the low word is 0xFFFFFFFF - position, -1 - position as int32
+    return bits.to(tl.float32, bitcast=True), pos
+
+
+@triton.jit
+def _sort_decode(dst, val, k, KP: tl.constexpr):
+    """dst[0:k] composites -> sorted descending, then val[0:k] values and dst[0:k] positions."""
+    tl.debug_barrier()  # the winners were written by other threads
+    j = tl.arange(0, KP)
+    v, pos = _decode_words(tl.sort(tl.load(dst + j, mask=j < k, other=_MIN), descending=True))
     tl.debug_barrier()  # every thread has its winners before the positions overwrite them
-    tl.store(val + j, bits.to(tl.float32, bitcast=True), mask=j < k)
+    tl.store(val + j, v, mask=j < k)
     tl.store(dst + j, pos, mask=j < k)
+
+
+@triton.jit
+def _decode_in_place(dst, val, k, CH: tl.constexpr):
+    """dst[0:k] composites -> val[0:k] values and dst[0:k] positions, where they lie, CH at a time
+    (each entry is read and rewritten by the same thread: one barrier, before, is enough)."""
+    tl.debug_barrier()  # the winners were written by other threads
+    for c0 in range(0, k, CH):
+        j = c0 + tl.arange(0, CH)
+        v, pos = _decode_words(tl.load(dst + j, mask=j < k, other=0))
+        tl.store(val + j, v, mask=j < k)
+        tl.store(dst + j, pos, mask=j < k)
 
 
 # W and cap unspecialized: rows then look unaligned, so the loads are not vectorized and keep the layout
@@ -183,12 +201,13 @@ def _sort_decode(dst, val, k, KP: tl.constexpr):
 @triton.jit(do_not_specialize=["W", "cap"])
 def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, next_ptr, R, W, C, k, cap, i_hi,
                         i_lo, S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr,
-                        KP: tl.constexpr, USED: tl.constexpr):
+                        KP: tl.constexpr, USED: tl.constexpr, FINISH: tl.constexpr):
     """out[r, :k] = the k largest composites of raw row r, unsorted; fast[r] = 1 where the pivots held.
 
     With USED, only the first used[r] of the row's first C slots hold entries (the rest is never read).
-    With KP (a power of two >= k; 0: off) each row's winners are then sorted in registers and
-    decoded in place: val[r, :k] the canonical values, out[r, :k] the positions (int64), in order.
+    FINISH 1 and 2 then decode each row's winners in place, val[r, :k] the canonical values and
+    out[r, :k] the positions (int64); 2 sorts them in registers first (KP: a power of two >= k).
+    Unsorted, the order is still a function of the row's contents (no atomics decide it).
     Programs take rows from an atomic counter (next_ptr, zeroed), so a slow row holds up no other,
     and each keeps one scratch list of ``cap`` entries for all its rows.
     """
@@ -230,8 +249,10 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
             K, V = _kth(src, n, seam, jump, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), True,
                         CH)
             _emit(src, n, seam, jump, K, V, dst, True, CH, TPB)
-        if KP > 0:
+        if FINISH == 2:
             _sort_decode(dst, val_ptr + row * k, k, KP)
+        elif FINISH == 1:
+            _decode_in_place(dst, val_ptr + row * k, k, LCH)
         tl.debug_barrier()  # the next row overwrites the list
         row = tl.atomic_add(next_ptr, 1, sem="relaxed").to(tl.int64)
 
@@ -264,7 +285,8 @@ Used = tuple[Tensor, int] | None  # (int32 [R] counts, C): only the first counts
 
 
 def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used, sample: int,
-            ranks: tuple[int, int] | None, cap: int | None, chunk: int, list_chunk: int, warps: int) -> Tensor:
+            ranks: tuple[int, int] | None, cap: int | None, chunk: int, list_chunk: int, warps: int,
+            sort: bool = True) -> Tensor:
     """Run the kernel over every row of buf into out (and values when sorting); returns the fast flags."""
     R, W = buf.shape
     assert buf.dtype == torch.int64 and buf.is_contiguous() and 1 <= k <= W
@@ -280,10 +302,12 @@ def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used,
     nprog = min(R, _programs(buf.device))
     scratch = torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)
     next_row = torch.zeros(1, dtype=torch.int32, device=buf.device)
-    kp = 0 if values is None else sort_width(k)
+    finish = 0 if values is None else (2 if sort else 1)
+    kp = sort_width(k) if finish == 2 else 1
+    assert kp > 0, "k past SORT_MAX sorts outside the kernel"
     final_select_kernel[(nprog,)](buf, counts, out, out if values is None else values, scratch, fast, next_row, R, W,
                                   C, k, cap, i_hi, i_lo, S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps, KP=kp,
-                                  USED=used is not None, num_warps=warps)
+                                  USED=used is not None, FINISH=finish, num_warps=warps)
     return fast
 
 
@@ -305,22 +329,23 @@ def sort_width(k: int) -> int:
     return kp if kp <= SORT_MAX else 0
 
 
-def select_sorted(buf: Tensor, k: int, *, used: Used = None, sample: int = SAMPLE,
+def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, sample: int = SAMPLE,
                   ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
                   list_chunk: int = LIST_CHUNK, warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
     """(values fp32 [R, k], positions int64 [R, k], fast flags): ``select_rows`` with the knobs above.
 
     Up to SORT_MAX winners are sorted and decoded by the kernel itself, in the positions' memory (the
     composites and the positions have the same size), so no [R, k] temporary exists; past it the
-    composites go through ``torch.sort`` and ``decode``.
+    composites go through ``torch.sort`` and ``decode``. sort=False decodes the winners as they lie
+    (the kernel's sort is two thirds of its time at k=2048).
     """
     kw = dict(used=used, sample=sample, ranks=ranks, cap=cap, chunk=chunk, list_chunk=list_chunk, warps=warps)
-    if sort_width(k) == 0:
+    if sort and sort_width(k) == 0:
         comp, fast = select_composites(buf, k, **kw)
         return (*decode(torch.sort(comp, dim=1, descending=True).values), fast)
     indices = torch.empty(buf.shape[0], k, dtype=torch.int64, device=buf.device)
     values = torch.empty(buf.shape[0], k, dtype=torch.float32, device=buf.device)
-    fast = _launch(buf, k, indices, values, **kw)
+    fast = _launch(buf, k, indices, values, **kw, sort=sort)
     return values, indices, fast
 
 
@@ -338,15 +363,16 @@ def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
     return bits.view(torch.float32), torch.bitwise_not(low).long()
 
 
-def select_rows(buf: Tensor, k: int, used: Used = None) -> tuple[Tensor, Tensor]:
+def select_rows(buf: Tensor, k: int, used: Used = None, sorted: bool = True) -> tuple[Tensor, Tensor]:
     """Each row's k best raw entries of ``buf`` [R, W] int64 (fp32 bits << 32 | position; -1 empty).
 
     Returns (values fp32 [R, k], positions int64 [R, k]) ordered by value descending, ties by position
     ascending, NaN above +inf and -0.0 == +0.0, values canonical (NaN as 0x7FC00000, -0.0 as +0.0).
     Every row must hold at least k entries. With ``used = (counts, C)`` slots [counts[r], C) of row r
-    are unused, whatever they hold.
+    are unused, whatever they hold. sorted=False: the same k entries per row in an unspecified (but
+    reproducible) order.
     """
-    values, indices, _ = select_sorted(buf, k, used=used)
+    values, indices, _ = select_sorted(buf, k, used=used, sort=sorted)
     return values, indices
 
 

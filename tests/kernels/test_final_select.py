@@ -234,6 +234,30 @@ def test_unused_slots_are_never_read():
     assert torch.equal(v2.view(torch.int32), r2[0].view(torch.int32)) and torch.equal(i2, r2[1])
 
 
+def _row_sorted(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows put in (value desc, position asc) order, as the reference returns them."""
+    comp = (fs.order_key_ref(values).long() << 32) | (0xFFFFFFFF - indices)
+    order = torch.sort(comp, dim=1, descending=True).indices
+    return values.gather(1, order), indices.gather(1, order)
+
+
+@pytest.mark.parametrize("sort_max", [2048, 16])  # in-kernel decode, and composites + decode past it
+def test_unsorted_rows_hold_the_same_entries(sort_max, monkeypatch):
+    """sorted=False: each row's k winners, decoded where they lie, in an order that repeats run to run."""
+    monkeypatch.setattr(fs, "SORT_MAX", sort_max)
+    R, W, k = 3, 150, 21
+    g = torch.Generator().manual_seed(32)
+    buf = rows_of(torch.randint(-3, 4, (R, W), generator=g) / 2, R, W, [150, 90, 60], seed=33, packed=True)
+    used = (torch.tensor([100, 60, 40], dtype=torch.int32).to(DEV), 120)  # row 1: slots 60..89 are stale
+    ref_v, ref_i = fs.select_rows_reference(buf, k, used)
+    v, i, _ = fs.select_sorted(buf, k, used=used, sort=False, **SMALL)
+    v2, i2, _ = fs.select_sorted(buf, k, used=used, sort=False, **SMALL)
+    assert torch.equal(v.view(torch.int32), v2.view(torch.int32)) and torch.equal(i, i2)
+    assert not torch.equal(i, ref_i)  # not sorted by chance (the test would prove nothing)
+    sv, si = _row_sorted(v, i)
+    assert torch.equal(sv.view(torch.int32), ref_v.view(torch.int32)) and torch.equal(si, ref_i)
+
+
 def test_k_past_the_in_kernel_sort(monkeypatch):
     """Past SORT_MAX the kernel leaves the winners unsorted and torch.sort orders them: still exact."""
     R, W, k = 3, 90, 20
@@ -275,5 +299,7 @@ def test_gpu_real_sizes(R, W, k, kind):
     assert torch.equal(indices, ref_i)
     v2, i2 = fs.select_rows(buf, k)
     assert torch.equal(v2.view(torch.int32), ref_v.view(torch.int32)) and torch.equal(i2, ref_i)
+    v3, i3 = _row_sorted(*fs.select_rows(buf, k, sorted=False))
+    assert torch.equal(v3.view(torch.int32), ref_v.view(torch.int32)) and torch.equal(i3, ref_i)
     rate = took.float().mean().item()
     assert rate > 0.99, f"only {rate:.4f} of rows took the fast path (a performance problem, results are exact)"
