@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch._dynamo.utils import counters
 
 from . import debug, inplace, masks
 from .graph_ops import arg, dtype, is_one, is_tensor, named_arg, normalize_dim, op_name, shape, source_line
@@ -72,6 +73,9 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         _check_no_mutation_between(site, sc)
         _describe(report, site, sc)
         report.dense_scatter_bytes = _dense_scatter_bytes(site)
+        unsort = site.sorted and _order_free(site)
+        if unsort:
+            site.sorted = False
         plan = masks.plan(sc)
         report.mask_kind = plan.kind
         _rewrite_or_restore(gm, site, sc, plan)
@@ -83,6 +87,10 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         if report.dense_scatter_bytes:
             dense = human_bytes(report.dense_scatter_bytes)
             notes.append(f"the model scatters the indices into dense tensors of {dense} downstream (kept: its own)")
+        if unsort:
+            counters["hyscale"]["selection_unsorted"] += 1
+            notes.append("only the set of indices is read (a constant scattered at them): selected without the "
+                         "final sort")
         report.reason = "; ".join(notes) or "indexer form proven"
     except Reject as err:
         undo()
@@ -252,6 +260,49 @@ def _describe(report: SiteReport, site: Site, sc: Score) -> None:
             per_head = symbolic_bytes(score_elems, head_size) if head_size is not None else None
             avoided += (per_head or 0) * 4
         report.table_bytes_avoided = avoided
+
+
+def _order_free(site: Site) -> bool:
+    """Nothing downstream sees the order of the selected entries: no value is read, and the indices
+    (through dtype casts) only say where a constant is scattered along the selected dim, as in DSA's
+    ``full(-inf).scatter_(-1, idx, 0)``, or lend their device (HF's ``idx.new_ones(...)``). A row's
+    indices are distinct, so every order writes the same tensor, and the op may skip its final sort."""
+    if site.values or site.gathers:
+        return False
+    todo, seen = list(site.indices), set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if op_name(user) == "to":
+                todo.append(user)
+            elif not (_reads_metadata_only(user, n) or _scatters_constant_at(user, n, site.s_dim)):
+                return False
+    return True
+
+
+# Methods that read only a tensor's shape, dtype or device (HF builds its index mask with new_ones).
+_METADATA_METHODS = {"new_ones", "new_zeros", "new_empty", "new_full", "size", "dim"}
+
+
+def _reads_metadata_only(node: fx.Node, index: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in _METADATA_METHODS and node.args[0] is index
+            and index not in node.args[1:] and index not in node.kwargs.values())
+
+
+def _scatters_constant_at(node: fx.Node, index: fx.Node, s_dim: int) -> bool:
+    """``x.scatter(dim, index, c)`` / ``scatter_`` with a number c along s_dim (not scatter_add or reduce)."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if op_name(node) != "scatter" or name not in ("scatter", "scatter_") or "reduce" in node.kwargs:
+        return False
+    if len(node.args) > 4 or arg(node, 2, "index") is not index or shape(index) is None:
+        return False
+    dim, value = arg(node, 1, "dim"), arg(node, 3, "value", node.kwargs.get("src"))
+    if not isinstance(dim, int) or not isinstance(value, int | float):  # a bool is an int too
+        return False
+    return normalize_dim(dim, len(shape(index))) == s_dim
 
 
 def _dense_scatter_bytes(site: Site) -> int | None:
