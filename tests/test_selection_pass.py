@@ -104,7 +104,7 @@ getitem(hyscale.select, 1)""")
         self.assertExpectedInline(self.golden("weighted_sum"), """\
 getitem(in, [Ellipsis, None])
 .squeeze(getitem, 3)
-hyscale.select(in, in, .squeeze, 4, 1, True, True, 3, None, None, None, None, None, -inf, False)
+hyscale.select(in, in, .squeeze, 4, 1, True, True, 3, None, None, None, None, None, -inf, True)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
 

@@ -72,6 +72,20 @@ class ScatterAdd(IndexMask):
         return torch.zeros_like(logits).scatter_add(-1, idx, torch.ones(idx.shape))
 
 
+class ModelUnsortedValuesRead(IndexMask):
+    """The model's own sorted=False: the op's unsorted order is not reproducible, so this site is sorted."""
+
+    def forward(self, q, k, w, logits):
+        vals, idx = _score(q, k, w).topk(K, dim=-1, sorted=False)
+        return logits.gather(-1, idx) * vals
+
+
+class ModelUnsortedIndexMask(IndexMask):
+    def forward(self, q, k, w, logits):
+        idx = _score(q, k, w).topk(K, dim=-1, sorted=False)[1]
+        return logits.masked_fill(torch.zeros_like(logits, dtype=torch.bool).scatter(-1, idx, True), 0.0)
+
+
 def _inputs():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, T, H, D, generator=g), torch.randn(1, S, D, generator=g)
@@ -85,7 +99,8 @@ def _select_sorted_flags(model) -> list[bool]:
     return [n.args[-1] for gm in after for n in gm.graph.nodes if n.target is torch.ops.hyscale.select.default]
 
 
-@pytest.mark.parametrize("model", [IndexMask(), BoolMaskThroughCasts()], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("model", [IndexMask(), BoolMaskThroughCasts(), ModelUnsortedIndexMask()],
+                         ids=lambda m: type(m).__name__)
 def test_constant_scatter_selects_unsorted_and_matches_eager(model):
     assert _select_sorted_flags(model) == [False]
     counters.clear()
@@ -97,8 +112,8 @@ def test_constant_scatter_selects_unsorted_and_matches_eager(model):
     assert torch.equal(out, ref)  # the same tensor whatever the order of the indices
 
 
-@pytest.mark.parametrize("model", [ValuesRead(), IndicesReturned(), TensorSource(), OtherDim(), ScatterAdd()],
-                         ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("model", [ValuesRead(), IndicesReturned(), TensorSource(), OtherDim(), ScatterAdd(),
+                                   ModelUnsortedValuesRead()], ids=lambda m: type(m).__name__)
 def test_order_visible_keeps_the_sort(model):
     assert _select_sorted_flags(model) == [True]
 

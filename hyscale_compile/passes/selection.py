@@ -73,9 +73,10 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         _check_no_mutation_between(site, sc)
         _describe(report, site, sc)
         report.dense_scatter_bytes = _dense_scatter_bytes(site)
-        unsort = site.sorted and _order_free(site)
-        if unsort:
-            site.sorted = False
+        # The op's unsorted order is that of atomic appends (not reproducible), so a model's own
+        # sorted=False is not taken at its word: only a site where no order can matter goes unsorted.
+        unsort = _order_free(site)
+        site.sorted = not unsort
         plan = masks.plan(sc)
         report.mask_kind = plan.kind
         _rewrite_or_restore(gm, site, sc, plan)
@@ -273,9 +274,9 @@ def _order_free(site: Site) -> bool:
     while todo:
         n = todo.pop()
         for user in n.users:
-            if user in seen:
+            if (user, n) in seen:  # a user reached from two index-derived nodes is checked for both
                 continue
-            seen.add(user)
+            seen.add((user, n))
             if op_name(user) == "to":
                 todo.append(user)
             elif not (_reads_metadata_only(user, n) or _scatters_constant_at(user, n, site.s_dim)):

@@ -207,7 +207,7 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
     With USED, only the first used[r] of the row's first C slots hold entries (the rest is never read).
     FINISH 1 and 2 then decode each row's winners in place, val[r, :k] the canonical values and
     out[r, :k] the positions (int64); 2 sorts them in registers first (KP: a power of two >= k).
-    Unsorted, the order is still a function of the row's contents (no atomics decide it).
+    Unsorted, they come in the order of the row's slots (which the filter's atomics decided).
     Programs take rows from an atomic counter (next_ptr, zeroed), so a slow row holds up no other,
     and each keeps one scratch list of ``cap`` entries for all its rows.
     """
@@ -336,8 +336,8 @@ def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, 
 
     Up to SORT_MAX winners are sorted and decoded by the kernel itself, in the positions' memory (the
     composites and the positions have the same size), so no [R, k] temporary exists; past it the
-    composites go through ``torch.sort`` and ``decode``. sort=False decodes the winners as they lie
-    (the kernel's sort is two thirds of its time at k=2048).
+    composites go through ``torch.sort`` and ``decode``. sort=False decodes the winners as they lie,
+    in the order of the row's slots (the kernel's sort is two thirds of its time at k=2048).
     """
     kw = dict(used=used, sample=sample, ranks=ranks, cap=cap, chunk=chunk, list_chunk=list_chunk, warps=warps)
     if sort and sort_width(k) == 0:
@@ -369,8 +369,8 @@ def select_rows(buf: Tensor, k: int, used: Used = None, sorted: bool = True) -> 
     Returns (values fp32 [R, k], positions int64 [R, k]) ordered by value descending, ties by position
     ascending, NaN above +inf and -0.0 == +0.0, values canonical (NaN as 0x7FC00000, -0.0 as +0.0).
     Every row must hold at least k entries. With ``used = (counts, C)`` slots [counts[r], C) of row r
-    are unused, whatever they hold. sorted=False: the same k entries per row in an unspecified (but
-    reproducible) order.
+    are unused, whatever they hold (counts must not exceed C: nothing checks it on the device).
+    sorted=False: the same k entries per row, in the order of their slots.
     """
     values, indices, _ = select_sorted(buf, k, used=used, sort=sorted)
     return values, indices
