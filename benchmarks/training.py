@@ -133,9 +133,11 @@ def rescore_ms(inputs, k: int, iters: int, device: str) -> float:
     return round((time.perf_counter() - t0) * 1e3 / iters, 3)
 
 
-def sparse_backward_ms(inputs, k: int, iters: int, device: str) -> dict:
-    """Deterministic vs atomic dkx in the sparse backward kernel (decides PREFER_DETERMINISTIC): device
-    time from CUDA events (the step times above are wall times, host included)."""
+def sparse_backward_ms(inputs, k: int, device: str) -> dict:
+    """Deterministic vs atomic dkx in the sparse backward kernel (decides PREFER_DETERMINISTIC): median
+    device time from triton's do_bench (the step times above are wall times, host included)."""
+    from triton.testing import do_bench
+
     from hyscale_compile.runtime import reference
     from hyscale_compile.runtime import sparse_backward as sb
 
@@ -144,37 +146,27 @@ def sparse_backward_ms(inputs, k: int, iters: int, device: str) -> dict:
     idx = torch.randint(0, S - T, (1, T, k), device=device)
     g = torch.randn(1, T, k, device=device)
     vis = reference.Visibility(causal=True, offset=S - T)
+
+    def run(det: bool = True):
+        return sb.sparse_backward(g, q.detach(), kx.detach(), w.detach().float(), idx, 0.1, True, vis,
+                                  deterministic=det)
+
+    def ms(fn) -> float:
+        return round(do_bench(fn, return_mode="median"), 3)
+
     out = {}
     old = sb.PREFER_DETERMINISTIC
     try:
         sb.PREFER_DETERMINISTIC = False
         for det in (True, False):
-            run = lambda det=det: sb.sparse_backward(g, q.detach(), kx.detach(), w.detach().float(), idx, 0.1,
-                                                     True, vis, deterministic=det)
-            out["deterministic_ms" if det else "atomic_ms"] = round(_device_ms(run, iters), 3)
+            out["deterministic_ms" if det else "atomic_ms"] = ms(lambda det=det: run(det))
         for picks in (16, 64):  # picks per step of the row kernel (the default rule takes 32 here)
             sb.ROW_PICKS = picks
-            run = lambda: sb.sparse_backward(g, q.detach(), kx.detach(), w.detach().float(), idx, 0.1, True, vis,
-                                             deterministic=True)
-            out[f"deterministic_rowpicks{picks}_ms"] = round(_device_ms(run, iters), 3)
+            out[f"deterministic_rowpicks{picks}_ms"] = ms(run)
     finally:
         sb.PREFER_DETERMINISTIC = old
         sb.ROW_PICKS = None
     return out
-
-
-def _device_ms(fn, iters: int) -> float:
-    """Median device time of fn over iters calls (CUDA events), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -266,7 +258,7 @@ def main() -> None:
         row["inductor_peak_bytes"] = peaks.get("inductor")
         row["hyscale_peak_bytes"] = peaks.get("hyscale")
         if device == "cuda" and not rows:
-            row["sparse_backward"] = _guard(sparse_backward_ms, inputs, k, args.iters, device)
+            row["sparse_backward"] = _guard(sparse_backward_ms, inputs, k, device)
         inputs = None  # free the GPU before the next shape
         rows.append(row)
         print(json.dumps(row), flush=True)

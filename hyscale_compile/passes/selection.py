@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -270,18 +271,24 @@ def _order_free(site: Site) -> bool:
     indices are distinct, so every order writes the same tensor, and the op may skip its final sort."""
     if site.values or site.gathers:
         return False
+    return all(_reads_metadata_only(user, n) or _scatters_constant_at(user, n, site.s_dim)
+               for user, n in _index_readers(site))
+
+
+def _index_readers(site: Site) -> Iterator[tuple[fx.Node, fx.Node]]:
+    """(reader, the index node it reads) for every reader of the selected indices, through dtype casts
+    (.long(), .to(torch.int32)). A reader reached from two index-derived nodes comes once for each."""
     todo, seen = list(site.indices), set()
     while todo:
         n = todo.pop()
         for user in n.users:
-            if (user, n) in seen:  # a user reached from two index-derived nodes is checked for both
+            if (user, n) in seen:
                 continue
             seen.add((user, n))
             if op_name(user) == "to":
                 todo.append(user)
-            elif not (_reads_metadata_only(user, n) or _scatters_constant_at(user, n, site.s_dim)):
-                return False
-    return True
+            else:
+                yield user, n
 
 
 # Methods that read only a tensor's shape, dtype or device (HF builds its index mask with new_ones).
@@ -311,19 +318,12 @@ def _dense_scatter_bytes(site: Site) -> int | None:
 
     That mask is the model's own choice and stays; the report makes its cost visible.
     """
-    total, todo, seen = 0, list(site.indices), set()
-    while todo:
-        n = todo.pop()
-        for user in n.users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if op_name(user) == "to":  # .long(), .to(torch.int32): follow the indices
-                todo.append(user)
-            elif op_name(user) == "scatter" and arg(user, 2, "index") is n:
-                b = symbolic_bytes(*shape(user)) if shape(user) is not None else None
-                if b is not None:
-                    total += b * dtype(user).itemsize
+    total = 0
+    for user, n in _index_readers(site):  # a scatter reads one index node: counted once
+        if op_name(user) == "scatter" and arg(user, 2, "index") is n:
+            b = symbolic_bytes(*shape(user)) if shape(user) is not None else None
+            if b is not None:
+                total += b * dtype(user).itemsize
     return total or None
 
 
