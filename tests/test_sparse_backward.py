@@ -156,6 +156,29 @@ def test_triton_deterministic_is_bitwise_repeatable_with_duplicate_keys(keys_per
         _close(a, b, 1e-5)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("weights", [True, False])
+def test_triton_row_slices_and_chunks(deterministic, weights, monkeypatch):
+    """Picks split over slices (partial dq / dw summed on the host), rows split over contribution
+    chunks, two batches: slot arithmetic of the partials and chunk offsets against the reference.
+    K=11 with 4-pick steps over 3 slices: the last slice has a partial step."""
+    from hyscale_compile.runtime import sparse_backward as sb
+
+    monkeypatch.setattr(sb, "PREFER_DETERMINISTIC", False)
+    monkeypatch.setattr(sb, "ROW_PICKS", 4)
+    q, kx, w, gv = _problem(B=2, T=7, K=11, S=29, weights=weights, device=DEVICE, seed=4)
+    vis = _vis_to(MASKS["causal"](2, 7, 29), DEVICE)
+    _, idx = reference.select(q, kx, w, 11, 0.7, True, vis, float("-inf"))
+    want = reference.sparse_backward(gv, q, kx, w, idx, 0.7, True, vis)
+    whole = _triton(gv, q, kx, w, idx, 0.7, True, vis, deterministic)
+    monkeypatch.setattr(sb, "_CONTRIB_BYTES", 2 * 3 * 11 * 8 * 4)  # 3 rows of both batches per chunk
+    monkeypatch.setattr(sb, "_slices", lambda rows, K, BK, device: 3)
+    sliced = _triton(gv, q, kx, w, idx, 0.7, True, vis, deterministic)
+    for a, b, c in zip(sliced, whole, want):
+        _close(a, c, 1e-5)
+        _close(a, b, 1e-6)
+
+
 def test_op_under_deterministic_algorithms_uses_deterministic_path(monkeypatch):
     from hyscale_compile.runtime import sparse_backward as sb
 

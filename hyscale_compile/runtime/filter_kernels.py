@@ -303,54 +303,111 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
 
 
 @triton.jit
+def _rescore_heads(kg, q_row, w_row, acc, c, sqh, swh, offs_d, d_ok, scale,
+                   H: tl.constexpr, BH: tl.constexpr, ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                   SPLIT_COLUMNS: tl.constexpr):
+    """acc plus heads c .. c+BH-1 of one row against the gathered keys kg: one [BJ, D] x [D, BH] MMA,
+    then each head's column picked out exactly (the rest add +0) and added with score_tile's step."""
+    hh = tl.arange(0, BH)
+    qt = tl.load(q_row + (c + hh)[None, :] * sqh + offs_d[:, None], mask=(c + hh < H)[None, :] & d_ok[:, None],
+                 other=0.0)
+    if PREC == "upcast":
+        s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
+    if SPLIT_COLUMNS:
+        tl.static_assert(BH == 16)
+        cols = _columns16(s)
+    for i in tl.static_range(BH):
+        if c + i < H:
+            if SPLIT_COLUMNS:
+                sh = cols[i]
+            else:
+                sh = tl.sum(tl.where(hh[None, :] == i, s, 0.0), axis=1)
+            if HAS_W:
+                w = tl.load(w_row + (c + i) * swh)
+            else:
+                w = scale
+            acc = act_fma(sh, w, acc, ACT)
+    return acc
+
+
+@triton.jit
+def _halves(x):
+    """[M, 2N] -> the even and the odd columns, [M, N] each."""
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+
+
+@triton.jit
+def _columns16(s):
+    """The 16 columns of s [M, 16] as [M] tensors, in order: moved, not computed (no arithmetic)."""
+    x0, x1 = _halves(s)  # x_abc holds columns a + 2b + 4c + 8m, m = 0, 1
+    x00, x01 = _halves(x0)
+    x10, x11 = _halves(x1)
+    x000, x001 = _halves(x00)
+    x010, x011 = _halves(x01)
+    x100, x101 = _halves(x10)
+    x110, x111 = _halves(x11)
+    c0, c8 = tl.split(x000)
+    c1, c9 = tl.split(x100)
+    c2, c10 = tl.split(x010)
+    c3, c11 = tl.split(x110)
+    c4, c12 = tl.split(x001)
+    c5, c13 = tl.split(x101)
+    c6, c14 = tl.split(x011)
+    c7, c15 = tl.split(x111)
+    return c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+
+
+@triton.jit
 def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_ptr, bias_ptr,
-                   T, S, H, K, scale, fill,
+                   T, S, K, scale, fill, picks,
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
+                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Values of one query row at BJ given positions: its gathered keys times its heads, BH at a time,
-    in small MMAs ([BJ, D] x [D, BH]), then the heads summed in order with score_tile's per-head step.
+                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr,
+                   SPLIT_COLUMNS: tl.constexpr):
+    """Values of one query row at ``picks`` given positions, BJ at a time: the gathered keys times the
+    row's heads, BH at a time, in small MMAs ([BJ, D] x [D, BH]), then the heads summed in order with
+    score_tile's per-head step.
 
     Each score is the same fp32 dot (16-bit products are exact, accumulated by the tensor core in
     the same k order) followed by the same act + FMA chain as in the filter, so the values equal
     select's bit for bit; the GPU tests check that, and rescore_tile_kernel is the slow cross-check.
+    The loop over blocks is software-pipelined (STAGES), so the dependent index -> key loads of the
+    next blocks are in flight during this one's math. H is a constexpr: at H <= BH the head loop
+    unrolls and the block loop is the innermost loop, the one the pipeliner works on.
     """
     r = tl.program_id(0).to(tl.int64)  # row b * T + t
     b = r // T
     t = r % T
-    j = tl.program_id(1).to(tl.int64) * BJ + tl.arange(0, BJ)
-    j_ok = j < K
-    cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
-    c_ok = j_ok & (cols >= 0) & (cols < S)
-    cols = tl.where(c_ok, cols, 0)
+    j_lo = tl.program_id(1).to(tl.int64) * picks
+    j_hi = tl.minimum(j_lo + picks, K)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    hh = tl.arange(0, BH)
-    kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
-                 other=0.0)
-    acc = tl.zeros((BJ,), dtype=tl.float32)
-    for c in range(0, H, BH):  # BH heads per MMA, so picking out each head's column costs BH, not H
-        qt = tl.load(q_ptr + b * sqb + t * sqt + (c + hh)[None, :] * sqh + offs_d[:, None],
-                     mask=(c + hh < H)[None, :] & d_ok[:, None], other=0.0)
-        if PREC == "upcast":
-            s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
-        for i in range(tl.minimum(H - c, BH)):
-            sh = tl.sum(tl.where(hh[None, :] == i, s, 0.0), axis=1)  # column i, exactly (the rest add +0)
-            if HAS_W:
-                w = tl.load(w_ptr + b * swb + t * swt + (c + i) * swh)
-            else:
-                w = scale
-            acc = act_fma(sh, w, acc, ACT)
     one = tl.arange(0, 1).to(tl.int64)
     lo = tl.load(lo_ptr + r + one)
     hi = tl.load(hi_ptr + r + one)
     row_ok = one == 0
-    val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
-                         mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
-    tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)
+    for j0 in tl.range(j_lo, j_hi, BJ, num_stages=STAGES):
+        j = j0 + tl.arange(0, BJ)
+        j_ok = j < j_hi
+        cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
+        c_ok = j_ok & (cols >= 0) & (cols < S)
+        cols = tl.where(c_ok, cols, 0)
+        kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :],
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.zeros((BJ,), dtype=tl.float32)
+        if H <= BH:  # one MMA: unrolled, so the block loop stays the innermost (pipelined) loop
+            acc = _rescore_heads(kg, q_ptr + b * sqb + t * sqt, w_ptr + b * swb + t * swt, acc, 0, sqh, swh,
+                                 offs_d, d_ok, scale, H, BH, ACT, HAS_W, PREC, SPLIT_COLUMNS)
+        else:  # a loop over head groups: unrolling them all spilled (H=64 on sm_90)
+            for c in range(0, H, BH):
+                acc = _rescore_heads(kg, q_ptr + b * sqb + t * sqt, w_ptr + b * swb + t * swt, acc, c, sqh, swh,
+                                     offs_d, d_ok, scale, H, BH, ACT, HAS_W, PREC, SPLIT_COLUMNS)
+        val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
+                             mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
+        tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)
 
 
 @triton.jit

@@ -37,18 +37,37 @@ ROW_PICKS: int | None = None  # picks per step of a row program (None: 32, or 16
 
 SEGMENT_KEYS = 16  # key positions per program of the deterministic dkx reduction
 
+ROW_STAGES = 3  # picks steps of a row program loaded ahead of use
+
+# Row programs in flight: a chunk of few rows (the contribution buffer caps it near 512 rows at k=2048)
+# splits each row's picks over slices until about this many programs per SM run.
+PROGRAMS_PER_SM = 8
+
+
+def _slices(rows: int, K: int, BK: int, device: torch.device) -> int:
+    """Slices per row so that rows * slices fills the GPU (1 on the CPU: the interpreter runs them serially)."""
+    if device.type != "cuda":
+        return 1
+    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(K, BK), triton.cdiv(target, rows)))
+
 
 @triton.jit
 def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, contrib_ptr,
-                t0, R, T, H, S, K, D, scale,
+                t0, R, T, H, S, K, D, scale, picks, out_T, out_t0,
                 HAS_W: tl.constexpr, RELU: tl.constexpr, ATOMIC: tl.constexpr, LOW_PREC: tl.constexpr,
                 PREC: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    # One program per query row of the chunk: pid = b * R + r, the row is t = t0 + r.
+                BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
+    # One program per query row of the chunk and slice of ``picks`` picks: pid = b * R + r, the row is
+    # t = t0 + r. Slice p writes its dq / dw to rows [p, b, t - out_t0] of a [P, B, out_T] array: dq
+    # itself when there is one slice, else partials the host sums in slice order.
     pid = tl.program_id(0)
+    part = tl.program_id(1)
     b = (pid // R).to(tl.int64)
     t = t0 + (pid % R).to(tl.int64)
     row = b * T + t
+    j_lo = part.to(tl.int64) * picks
+    j_hi = tl.minimum(j_lo + picks, K)
     hs = tl.arange(0, BH)
     ds = tl.arange(0, BD)
     js = tl.arange(0, BK)
@@ -63,10 +82,9 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
     kx_b = kx_ptr + b * S * D
     dq_acc = tl.zeros((BH, BD), dtype=tl.float32)
     dw_acc = tl.zeros((BH,), dtype=tl.float32)
-    # while loops, not range(): the interpreter cannot take range() over runtime scalars with numpy 2.
-    k0 = 0
-    while k0 < K:
-        jmask = (k0 + js) < K
+    # Pipelined (STAGES): the dependent index -> key loads bound the loop when issued one step at a time.
+    for k0 in tl.range(j_lo, j_hi, BK, num_stages=STAGES):
+        jmask = (k0 + js) < j_hi
         ids = tl.load(idx_ptr + row * K + k0 + js, mask=jmask, other=0).to(tl.int64)
         gv = tl.load(g_ptr + row * K + k0 + js, mask=jmask, other=0.0)
         kd_mask = jmask[:, None] & dmask[None, :]
@@ -103,10 +121,11 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
         else:
             tl.store(contrib_ptr + pid.to(tl.int64) * K * D + (k0 + js)[:, None] * D + ds[None, :], contrib,
                      mask=kd_mask)
-        k0 += BK
-    tl.store(dq_ptr + row * H * D + hs[:, None] * D + ds[None, :], dq_acc, mask=hmask[:, None] & dmask[None, :])
+    part_rows = (part.to(tl.int64) * (tl.num_programs(0) // R) + b) * out_T + (t - out_t0)
+    tl.store(dq_ptr + part_rows * H * D + hs[:, None] * D + ds[None, :], dq_acc,
+             mask=hmask[:, None] & dmask[None, :])
     if HAS_W:
-        tl.store(dw_ptr + row * H + hs, dw_acc, mask=hmask)
+        tl.store(dw_ptr + part_rows * H + hs, dw_acc, mask=hmask)
 
 
 @triton.jit
@@ -190,11 +209,25 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
     rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
+        P = _slices(B * R, K, BK, q.device)
+        picks = triton.cdiv(triton.cdiv(K, P), BK) * BK
+        P = triton.cdiv(K, picks)
         contrib = dkx if use_atomics else torch.empty(B * R * K * D, dtype=torch.float32, device=q.device)
-        _row_kernel[(B * R,)](g, qc, kxc, wc, idx, dq, dw, dkx, contrib, t0, R, T, H, S, K, D, float(scale),
-                              HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
-                              PREC=_precision(low),
-                              BH=BH, BK=BK, BD=BD, num_warps=8 if BH * BD > 4096 else 4)
+        # One slice writes dq / dw in place; several write partials, summed below in slice order.
+        dq_out, dw_out, out_T, out_t0 = dq, dw, T, 0
+        if P > 1:
+            dq_out = torch.empty(P, B, R, H, D, dtype=torch.float32, device=q.device)
+            dw_out = torch.empty(P, B, R, H, dtype=torch.float32, device=q.device) if weights is not None else dq_out
+            out_T, out_t0 = R, t0
+        _row_kernel[(B * R, P)](g, qc, kxc, wc, idx, dq_out, dw_out, dkx, contrib, t0, R, T, H, S, K, D,
+                                float(scale), picks, out_T, out_t0,
+                                HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
+                                PREC=_precision(low), BH=BH, BK=BK, BD=BD, STAGES=ROW_STAGES,
+                                num_warps=8 if BH * BD > 4096 else 4)
+        if P > 1:
+            dq[:, t0:t0 + R] = dq_out.sum(0)
+            if weights is not None:
+                dw[:, t0:t0 + R] = dw_out.sum(0)
         if not use_atomics:
             keys = (idx[:, t0:t0 + R] + torch.arange(B, device=q.device).view(B, 1, 1) * S).reshape(-1)
             perm, seg = _segments(keys, B * S)

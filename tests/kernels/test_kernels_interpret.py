@@ -177,9 +177,12 @@ def test_negative_scale_relu(weights):
     check(q, kx, w, 7, scale=-0.25, vis=Visibility(causal=True, offset=40))
 
 
-def test_rescore_row_kernel_equals_tile_kernel():
+@pytest.mark.parametrize("blocks", [8, 1])
+def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, blocks):
     """The per-row rescore (small MMAs of 16 heads) against the whole-tile one, at any indices;
-    19 heads: one full chunk of heads and a partial one."""
+    19 heads: one full chunk of heads and a partial one. One block per program splits the 100
+    picks of a row over two programs, the second with a partial block."""
+    monkeypatch.setattr(hytopk, "RESCORE_BLOCKS", blocks)
     q, kx, w = inputs(B=2, T=5, H=19, S=70, seed=17)
     mask = torch.rand(1, 5, 70, generator=torch.Generator().manual_seed(1)) > 0.3
     vis = Visibility(causal=True, offset=60, mask=mask)
