@@ -304,10 +304,11 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
 
 @triton.jit
 def _rescore_heads(kg, q_row, w_row, acc, c, sqh, swh, offs_d, d_ok, scale,
-                   H: tl.constexpr, BH: tl.constexpr, ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                   SPLIT_COLUMNS: tl.constexpr):
+                   H: tl.constexpr, BH: tl.constexpr, ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr):
     """acc plus heads c .. c+BH-1 of one row against the gathered keys kg: one [BJ, D] x [D, BH] MMA,
-    then each head's column picked out exactly (the rest add +0) and added with score_tile's step."""
+    then each head's column moved out by splits (no arithmetic, no cross-thread sums: a where + sum
+    per head cost BH times the work and failed triton's pipeliner at H=64) and added with
+    score_tile's step."""
     hh = tl.arange(0, BH)
     qt = tl.load(q_row + (c + hh)[None, :] * sqh + offs_d[:, None], mask=(c + hh < H)[None, :] & d_ok[:, None],
                  other=0.0)
@@ -315,15 +316,11 @@ def _rescore_heads(kg, q_row, w_row, acc, c, sqh, swh, offs_d, d_ok, scale,
         s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     else:
         s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
-    if SPLIT_COLUMNS:
-        tl.static_assert(BH == 16)
-        cols = _columns16(s)
+    tl.static_assert(BH == 16)
+    cols = _columns16(s)
     for i in tl.static_range(BH):
         if c + i < H:
-            if SPLIT_COLUMNS:
-                sh = cols[i]
-            else:
-                sh = tl.sum(tl.where(hh[None, :] == i, s, 0.0), axis=1)
+            sh = cols[i]
             if HAS_W:
                 w = tl.load(w_row + (c + i) * swh)
             else:
@@ -365,8 +362,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr,
-                   SPLIT_COLUMNS: tl.constexpr):
+                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Values of one query row at ``picks`` given positions, BJ at a time: the gathered keys times the
     row's heads, BH at a time, in small MMAs ([BJ, D] x [D, BH]), then the heads summed in order with
     score_tile's per-head step.
@@ -374,8 +370,8 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     Each score is the same fp32 dot (16-bit products are exact, accumulated by the tensor core in
     the same k order) followed by the same act + FMA chain as in the filter, so the values equal
     select's bit for bit; the GPU tests check that, and rescore_tile_kernel is the slow cross-check.
-    The loop over blocks is software-pipelined (STAGES), so the dependent index -> key loads of the
-    next blocks are in flight during this one's math. H is a constexpr: at H <= BH the head loop
+    The loop over blocks is software-pipelined (the launch's num_stages), so the dependent index -> key
+    loads of the next blocks are in flight during this one's math. H is a constexpr: at H <= BH the head loop
     unrolls and the block loop is the innermost loop, the one the pipeliner works on.
     """
     r = tl.program_id(0).to(tl.int64)  # row b * T + t
@@ -389,7 +385,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     lo = tl.load(lo_ptr + r + one)
     hi = tl.load(hi_ptr + r + one)
     row_ok = one == 0
-    for j0 in tl.range(j_lo, j_hi, BJ, num_stages=STAGES):
+    for j0 in range(j_lo, j_hi, BJ):
         j = j0 + tl.arange(0, BJ)
         j_ok = j < j_hi
         cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
@@ -400,11 +396,11 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
         acc = tl.zeros((BJ,), dtype=tl.float32)
         if H <= BH:  # one MMA: unrolled, so the block loop stays the innermost (pipelined) loop
             acc = _rescore_heads(kg, q_ptr + b * sqb + t * sqt, w_ptr + b * swb + t * swt, acc, 0, sqh, swh,
-                                 offs_d, d_ok, scale, H, BH, ACT, HAS_W, PREC, SPLIT_COLUMNS)
+                                 offs_d, d_ok, scale, H, BH, ACT, HAS_W, PREC)
         else:  # a loop over head groups: unrolling them all spilled (H=64 on sm_90)
             for c in range(0, H, BH):
                 acc = _rescore_heads(kg, q_ptr + b * sqb + t * sqt, w_ptr + b * swb + t * swt, acc, c, sqh, swh,
-                                     offs_d, d_ok, scale, H, BH, ACT, HAS_W, PREC, SPLIT_COLUMNS)
+                                     offs_d, d_ok, scale, H, BH, ACT, HAS_W, PREC)
         val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
                              mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
         tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)

@@ -323,13 +323,12 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
         pb.launch(rescore_tile_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx,
                   out, pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
         return out
-    consts = dict(pb.consts, H=pb.H, BJ=RESCORE_BJ, BH=RESCORE_BH, STAGES=RESCORE_STAGES,
-                  SPLIT_COLUMNS=RESCORE_SPLIT_COLUMNS)
+    consts = dict(pb.consts, H=pb.H, BJ=RESCORE_BJ, BH=RESCORE_BH)
     del consts["BT"], consts["BS"]
     picks = RESCORE_BJ * RESCORE_BLOCKS
     rescore_kernel[(B * T, cdiv(K, picks))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
                                             T, pb.S, K, pb.scale, pb.fill, picks, *pb.strides, **consts,
-                                            num_warps=4)
+                                            num_warps=4, num_stages=RESCORE_STAGES)
     return out
 
 
@@ -337,4 +336,3 @@ RESCORE_BJ = 64  # gathered keys per MMA of the rescore: the M of one tensor-cor
 RESCORE_BH = 16  # heads per rescore MMA: the smallest tensor-core N
 RESCORE_BLOCKS = 8  # BJ-blocks per rescore program, loaded ahead of use (RESCORE_STAGES deep)
 RESCORE_STAGES = 3
-RESCORE_SPLIT_COLUMNS = True  # heads' columns moved out by splits (else where + sum per head)

@@ -57,7 +57,7 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
                 t0, R, T, H, S, K, D, scale, picks, out_T, out_t0,
                 HAS_W: tl.constexpr, RELU: tl.constexpr, ATOMIC: tl.constexpr, LOW_PREC: tl.constexpr,
                 PREC: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
+                BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     # One program per query row of the chunk and slice of ``picks`` picks: pid = b * R + r, the row is
     # t = t0 + r. Slice p writes its dq / dw to rows [p, b, t - out_t0] of a [P, B, out_T] array: dq
     # itself when there is one slice, else partials the host sums in slice order.
@@ -82,8 +82,9 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
     kx_b = kx_ptr + b * S * D
     dq_acc = tl.zeros((BH, BD), dtype=tl.float32)
     dw_acc = tl.zeros((BH,), dtype=tl.float32)
-    # Pipelined (STAGES): the dependent index -> key loads bound the loop when issued one step at a time.
-    for k0 in tl.range(j_lo, j_hi, BK, num_stages=STAGES):
+    # Pipelined (the launch's num_stages): the dependent index -> key loads bound the loop when issued
+    # one step at a time.
+    for k0 in range(j_lo, j_hi, BK):
         jmask = (k0 + js) < j_hi
         ids = tl.load(idx_ptr + row * K + k0 + js, mask=jmask, other=0).to(tl.int64)
         gv = tl.load(g_ptr + row * K + k0 + js, mask=jmask, other=0.0)
@@ -222,8 +223,8 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         _row_kernel[(B * R, P)](g, qc, kxc, wc, idx, dq_out, dw_out, dkx, contrib, t0, R, T, H, S, K, D,
                                 float(scale), picks, out_T, out_t0,
                                 HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
-                                PREC=_precision(low), BH=BH, BK=BK, BD=BD, STAGES=ROW_STAGES,
-                                num_warps=8 if BH * BD > 4096 else 4)
+                                PREC=_precision(low), BH=BH, BK=BK, BD=BD,
+                                num_warps=8 if BH * BD > 4096 else 4, num_stages=ROW_STAGES)
         if P > 1:
             dq[:, t0:t0 + R] = dq_out.sum(0)
             if weights is not None:
