@@ -334,5 +334,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
 
 RESCORE_BJ = 64  # gathered keys per MMA of the rescore: the M of one tensor-core tile
 RESCORE_BH = 16  # heads per rescore MMA: the smallest tensor-core N
-RESCORE_BLOCKS = 8  # BJ-blocks per rescore program, loaded ahead of use (RESCORE_STAGES deep)
+# BJ-blocks per rescore program, loaded RESCORE_STAGES ahead of use. benchmarks/tune_replay.py on the
+# H200 (k=2048): 0.57 -> 0.24 ms at T=2048, S=65536, H=16 against one block per program as before.
+RESCORE_BLOCKS = 16
 RESCORE_STAGES = 3

@@ -33,14 +33,15 @@ PREFER_DETERMINISTIC = True
 # (at 1 GiB it set the step's peak memory on the H200; each chunk costs a sort and three launches).
 _CONTRIB_BYTES = 1 << 29
 
-ROW_PICKS: int | None = None  # picks per step of a row program (None: 32, or 16 past 4096 head x dim elements)
+ROW_PICKS: int | None = None  # picks per step of a row program (None: 32, or 64 past 4096 head x dim elements)
 
 SEGMENT_KEYS = 16  # key positions per program of the deterministic dkx reduction
 
-ROW_STAGES = 3  # picks steps of a row program loaded ahead of use
-
-# Row programs in flight: a chunk of few rows (the contribution buffer caps it near 512 rows at k=2048)
-# splits each row's picks over slices until about this many programs per SM run.
+# Row programs: picks steps loaded ahead of use, and a chunk of few rows (the contribution buffer caps
+# it near 512 rows at k=2048) splits each row's picks over slices until about PROGRAMS_PER_SM programs
+# per SM run. benchmarks/tune_replay.py on the H200: at H=64, 64 picks per step with both, 7.95 ->
+# 6.64 ms; at H=16 the same within 2% either way (2.26 / 2.22 ms at T=2048, S=65536).
+ROW_STAGES = 3
 PROGRAMS_PER_SM = 8
 
 
@@ -206,7 +207,7 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         dw.zero_()
         return _finish(dq, dkx, dw, q, kx, weights)
     BH, BD = _pow2(H), _pow2(D)
-    BK = ROW_PICKS or (32 if BH * BD <= 4096 else 16)
+    BK = ROW_PICKS or (32 if BH * BD <= 4096 else 64)
     rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
