@@ -96,7 +96,7 @@ def time_steps(fn, inputs, iters: int, device: str) -> float:
 
 
 def profiled_rescore_share(shape, D: int, k: int, device: str, dtype) -> float | None:
-    """Share of one hyscale step's device time spent under ``hyscale::rescore`` (profiler)."""
+    """Share of one hyscale step's kernel time spent in the rescore kernel (profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     if device != "cuda":
@@ -108,9 +108,11 @@ def profiled_rescore_share(shape, D: int, k: int, device: str, dtype) -> float |
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(*inputs).backward()
         _sync(device)
-    events = prof.key_averages()
-    total = sum(e.self_device_time_total for e in events)
-    rescore = sum(e.device_time_total for e in events if e.key == "hyscale::rescore")
+    # Kernel records only: summing every profiler row counted each kernel twice (as itself and as
+    # its launching op's self time), which halved the share reported before this fix.
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.time_range.elapsed_us() for e in kernels)
+    rescore = sum(e.time_range.elapsed_us() for e in kernels if "rescore_kernel" in e.name)
     return round(rescore / total, 4) if total else None
 
 
