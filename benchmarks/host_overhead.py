@@ -1,0 +1,134 @@
+"""Is a hyscale training step bound by the host? Where does its host time go?
+
+For the training benchmark's layer (forward + backward under checkpointing, hyscale backend) at one
+shape: the wall time of a step, the time the host takes to enqueue it (no sync), the device's
+kernel time (profiler kernel records), the host time inside each hyscale runtime entry (select,
+rescore, sparse backward: Python, allocations and kernel launches), and any host<->device syncs
+in the step (``torch.cuda.set_sync_debug_mode``). A step whose enqueue time is close to its wall
+time and above its kernel time is host-bound: faster kernels will not make it faster.
+
+    python benchmarks/host_overhead.py [--shape 0] [--out results/host_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import training  # noqa: E402  (the layer, inputs and shapes of the training benchmark)
+
+from hyscale_compile.runtime import hytopk  # noqa: E402
+from hyscale_compile.runtime import sparse_backward as sb  # noqa: E402
+
+
+def timed_entries() -> tuple[dict, callable]:
+    """Wrap the runtime entries the ops call with host timers; returns the totals and an undo."""
+    totals: dict[str, float] = {}
+    patched = [(hytopk, "select"), (hytopk, "rescore"), (sb, "sparse_backward")]
+    originals = [(mod, name, getattr(mod, name)) for mod, name in patched]
+
+    def wrap(name, fn):
+        def inner(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] = totals.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        return inner
+
+    for mod, name, fn in originals:
+        setattr(mod, name, wrap(name, fn))
+
+    def undo():
+        for mod, name, fn in originals:
+            setattr(mod, name, fn)
+
+    return totals, undo
+
+
+def kernel_ms(fn, inputs) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*inputs).backward()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", type=int, default=0, help="index into the training benchmark's shapes")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    T, S, H = training.SHAPES[args.shape]
+    D, k = 128, 2048
+    inputs = training.make_inputs(T, S, H, D, k, "cuda", torch.bfloat16)
+    fn = training.make_fn("hyscale", k)
+    for _ in range(3):
+        fn(*inputs).backward()
+    torch.cuda.synchronize()
+
+    row = dict(T=T, S=S, H=H, D=D, k=k)
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        fn(*inputs).backward()
+    torch.cuda.synchronize()
+    row["wall_ms"] = (time.perf_counter() - t0) * 1e3 / args.iters
+
+    enqueue = []
+    for _ in range(args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*inputs).backward()
+        enqueue.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    row["enqueue_ms"] = sorted(enqueue)[len(enqueue) // 2]
+    row["kernel_ms"] = kernel_ms(fn, inputs)
+
+    totals, undo = timed_entries()
+    try:
+        for _ in range(args.iters):
+            fn(*inputs).backward()
+        torch.cuda.synchronize()
+    finally:
+        undo()
+    row["host_ms_in"] = {name: v / args.iters for name, v in totals.items()}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(*inputs).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message).lower()]
+    row["syncs"] = len(syncs)
+    row["sync_messages"] = sorted(set(syncs))[:10]
+    row = {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}
+    row["host_ms_in"] = {name: round(v, 3) for name, v in row["host_ms_in"].items()}
+    print(json.dumps(row, indent=1), flush=True)
+    if args.out:
+        import triton
+
+        doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   date=datetime.date.today().isoformat(), commit=os.environ.get("HYSCALE_COMMIT", ""), rows=[row])
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
