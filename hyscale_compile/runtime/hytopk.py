@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -175,10 +176,12 @@ class _Problem:
                      num_stages=self.tile.stages)
 
 
+@functools.lru_cache(maxsize=64)  # called per launch; a CPU tensor each time cost host time per step
 def fill_key(fill: float) -> int:
     return int(order_key(torch.tensor([fill], dtype=torch.float32))[0])
 
 
+@functools.lru_cache(maxsize=64)
 def fill_bits(fill: float) -> int:
     return int(torch.tensor([fill], dtype=torch.float32).view(torch.int32)[0])
 
@@ -297,16 +300,23 @@ def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> Non
     rows = torch.zeros(R + 1, dtype=torch.int64, device=dev)
     rows.scatter_(0, torch.where(flag, rank, R), torch.arange(R, device=dev))
     counts = torch.zeros(PASSES, R, 16, dtype=torch.int32, device=dev)
-    ecnt = torch.zeros(R, dtype=torch.int32, device=dev)
+    ecnt = torch.zeros(R + 1, dtype=torch.int32, device=dev)  # the last one: the grid barrier's counter
     split = max(1, min(cdiv(pb.S, pb.tile.bs), _programs(dev) // 2))
     items = cdiv(R, pb.tile.bt) * split
-    nprog = max(1, min(items, _programs(dev)))
+    one_launch = RECOVER_ONE_LAUNCH and dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    # one launch waits at grid barriers: at most one program per SM, so that all of them are resident
+    most = torch.cuda.get_device_properties(dev).multi_processor_count if one_launch else _programs(dev)
+    nprog = max(1, min(items, most))
     per_prog = cdiv(items, nprog)
-    fk = fill_key(pb.fill)
-    for p in range(PASSES + 1):
+    fk, fb = fill_key(pb.fill), fill_bits(pb.fill)
+    for p in range(1 if one_launch else PASSES + 1):
         pb.launch(recover_kernel, (nprog,), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, nflag, rows, counts, ecnt, buf,
-                  pb.mask, pb.bias, pb.B, pb.T, pb.S, pb.H, k, pb.scale, pb.fill, fk, fill_bits(pb.fill), width, R, p,
-                  nprog, split, per_prog, EMIT=p == PASSES)
+                  pb.mask, pb.bias, ecnt[R:], pb.B, pb.T, pb.S, pb.H, k, pb.scale, pb.fill, fk, fb, width, R, p,
+                  nprog, split, per_prog, EMIT=p == PASSES, ALL_PASSES=one_launch, NPASS=PASSES)
+
+
+# Recovery in one launch on CUDA (all passes, grid barriers between them) instead of PASSES + 1 launches.
+RECOVER_ONE_LAUNCH = True
 
 
 def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scale: float, relu: bool,

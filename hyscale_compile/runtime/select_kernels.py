@@ -30,7 +30,8 @@ def _prefix(cnt_ptr, ranks, active, npass, R, k, BT: tl.constexpr):
     prefix = tl.zeros((BT,), dtype=tl.int64)
     above = tl.zeros((BT,), dtype=tl.int64)
     for p in range(npass):
-        c = tl.load(cnt_ptr + (p * R + ranks)[:, None] * 16 + d16[None, :], mask=active[:, None], other=0)
+        c = tl.load(cnt_ptr + (p * R + ranks)[:, None] * 16 + d16[None, :], mask=active[:, None], other=0,
+                    cache_modifier=".cg")  # written by other programs of this launch (one-launch recovery)
         c = c.to(tl.int64)
         ok = (above[:, None] + c) >= k  # counts fall with d, so ok is true for d <= chosen digit
         dsel = tl.sum(ok.to(tl.int64), axis=1) - 1
@@ -64,12 +65,56 @@ def _count_or_emit(comp, raw, ok, p, prefix, cnt_acc, ecnt_ptr, buf_ptr, rid, ra
 
 @triton.jit
 def recover_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cnt_ptr, ecnt_ptr, buf_ptr,
-                   mask_ptr, bias_ptr,
+                   mask_ptr, bias_ptr, sync_ptr,
                    B, T, S, H, k, scale, fill, fill_key, fill_bits, width, R, p, NPROG, SPLIT, ITEMS,
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EMIT: tl.constexpr):
+                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EMIT: tl.constexpr,
+                   ALL_PASSES: tl.constexpr, NPASS: tl.constexpr):
+    """Pass p of the recovery, or (ALL_PASSES) every pass in one launch with a grid barrier between
+    them: the host then launches once per call instead of NPASS + 1 times (the launches, not the
+    device, bounded small training steps). ALL_PASSES needs every program resident at once (the host
+    launches at most one per SM) and threads that run concurrently (not the interpreter)."""
+    if ALL_PASSES:
+        if tl.load(nflag_ptr) > 0:  # the common case: nothing flagged, every program returns at once
+            for pp in range(NPASS):
+                _recover_pass(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cnt_ptr, ecnt_ptr, buf_ptr,
+                              mask_ptr, bias_ptr, B, T, S, H, k, scale, fill, fill_key, fill_bits, width, R, pp,
+                              NPROG, SPLIT, ITEMS, sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt,
+                              sbs, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC, HAS_MASK, HAS_BIAS, False)
+                _grid_barrier(sync_ptr, NPROG * (pp + 1))
+            _recover_pass(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cnt_ptr, ecnt_ptr, buf_ptr,
+                          mask_ptr, bias_ptr, B, T, S, H, k, scale, fill, fill_key, fill_bits, width, R, NPASS,
+                          NPROG, SPLIT, ITEMS, sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt,
+                          sbs, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC, HAS_MASK, HAS_BIAS, True)
+    else:
+        _recover_pass(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cnt_ptr, ecnt_ptr, buf_ptr,
+                      mask_ptr, bias_ptr, B, T, S, H, k, scale, fill, fill_key, fill_bits, width, R, p,
+                      NPROG, SPLIT, ITEMS, sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt,
+                      sbs, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC, HAS_MASK, HAS_BIAS, EMIT)
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, target):
+    """Wait until ``target`` program arrivals: this program's writes before it are visible to every
+    program after it (block barrier, then a release / acquire pair on one counter at GPU scope)."""
+    tl.debug_barrier()
+    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _recover_pass(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cnt_ptr, ecnt_ptr, buf_ptr,
+                  mask_ptr, bias_ptr,
+                  B, T, S, H, k, scale, fill, fill_key, fill_bits, width, R, p, NPROG, SPLIT, ITEMS,
+                  sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                  ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                  HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EMIT: tl.constexpr):
     pid = tl.program_id(0)
     nflag = tl.load(nflag_ptr).to(tl.int64)
     n_items = (nflag + BT - 1) // BT * SPLIT
