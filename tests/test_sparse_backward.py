@@ -172,7 +172,7 @@ def test_triton_row_slices_and_chunks(deterministic, weights, monkeypatch):
     want = reference.sparse_backward(gv, q, kx, w, idx, 0.7, True, vis)
     whole = _triton(gv, q, kx, w, idx, 0.7, True, vis, deterministic)
     monkeypatch.setattr(sb, "_CONTRIB_BYTES", 2 * 3 * 11 * 8 * 4)  # 3 rows of both batches per chunk
-    monkeypatch.setattr(sb, "_slices", lambda rows, K, BK, device: 3)
+    monkeypatch.setattr(sb, "_slices", lambda rows, K, BK, per_sm, device: 3)
     sliced = _triton(gv, q, kx, w, idx, 0.7, True, vis, deterministic)
     for a, b, c in zip(sliced, whole, want):
         _close(a, c, 1e-5)

@@ -33,23 +33,34 @@ PREFER_DETERMINISTIC = True
 # (at 1 GiB it set the step's peak memory on the H200; each chunk costs a sort and three launches).
 _CONTRIB_BYTES = 1 << 29
 
-ROW_PICKS: int | None = None  # picks per step of a row program (None: 32, or 64 past 4096 head x dim elements)
-
 SEGMENT_KEYS = 16  # key positions per program of the deterministic dkx reduction
 
-# Row programs: picks steps loaded ahead of use, and a chunk of few rows (the contribution buffer caps
-# it near 512 rows at k=2048) splits each row's picks over slices until about PROGRAMS_PER_SM programs
-# per SM run. benchmarks/tune_replay.py on the H200: at H=64, 64 picks per step with both, 7.95 ->
-# 6.64 ms; at H=16 the same within 2% either way (2.26 / 2.22 ms at T=2048, S=65536).
-ROW_STAGES = 3
-PROGRAMS_PER_SM = 8
+# Row program shape: picks per step, steps loaded ahead of use (num_stages), and programs per SM to
+# aim for by splitting each row's picks over slices (0: no slices). A chunk has few rows (the
+# contribution buffer caps it near 512 at k=2048), so wide rows (heads x dim past 4096) need the
+# slices. benchmarks/tune_replay.py on the H200, k=2048: H=64 7.95 -> 6.64 ms with (64, 3, 8) over
+# (32, 1, 0); H=16 within 2% either way (2.26 / 2.22 ms at T=2048, S=65536), and there (32, 1, 0)
+# launches fewer host ops per chunk (the small training step is bound by the host). None: the rule.
+ROW_PICKS: int | None = None
+ROW_STAGES: int | None = None
+PROGRAMS_PER_SM: int | None = None
 
 
-def _slices(rows: int, K: int, BK: int, device: torch.device) -> int:
-    """Slices per row so that rows * slices fills the GPU (1 on the CPU: the interpreter runs them serially)."""
-    if device.type != "cuda":
+def _row_shape(BH: int, BD: int) -> tuple[int, int, int]:
+    """(picks per step, num_stages, programs per SM) for rows of BH heads x BD dims."""
+    wide = BH * BD > 4096
+    picks = ROW_PICKS if ROW_PICKS is not None else (64 if wide else 32)
+    stages = ROW_STAGES if ROW_STAGES is not None else (3 if wide else 1)
+    per_sm = PROGRAMS_PER_SM if PROGRAMS_PER_SM is not None else (8 if wide else 0)
+    return picks, stages, per_sm
+
+
+def _slices(rows: int, K: int, BK: int, per_sm: int, device: torch.device) -> int:
+    """Slices per row so that rows * slices reach per_sm programs per SM (1 on the CPU: the interpreter
+    runs programs one by one)."""
+    if device.type != "cuda" or per_sm <= 0:
         return 1
-    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(triton.cdiv(K, BK), triton.cdiv(target, rows)))
 
 
@@ -207,11 +218,11 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         dw.zero_()
         return _finish(dq, dkx, dw, q, kx, weights)
     BH, BD = _pow2(H), _pow2(D)
-    BK = ROW_PICKS or (32 if BH * BD <= 4096 else 64)
+    BK, stages, per_sm = _row_shape(BH, BD)
     rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
-        P = _slices(B * R, K, BK, q.device)
+        P = _slices(B * R, K, BK, per_sm, q.device)
         picks = triton.cdiv(triton.cdiv(K, P), BK) * BK
         P = triton.cdiv(K, picks)
         contrib = dkx if use_atomics else torch.empty(B * R * K * D, dtype=torch.float32, device=q.device)
@@ -225,7 +236,7 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
                                 float(scale), picks, out_T, out_t0,
                                 HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
                                 PREC=_precision(low), BH=BH, BK=BK, BD=BD,
-                                num_warps=8 if BH * BD > 4096 else 4, num_stages=ROW_STAGES)
+                                num_warps=8 if BH * BD > 4096 else 4, num_stages=stages)
         if P > 1:
             dq[:, t0:t0 + R] = dq_out.sum(0)
             if weights is not None:
