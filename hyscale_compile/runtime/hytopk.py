@@ -304,8 +304,9 @@ def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> Non
     split = max(1, min(cdiv(pb.S, pb.tile.bs), _programs(dev) // 2))
     items = cdiv(R, pb.tile.bt) * split
     one_launch = RECOVER_ONE_LAUNCH and dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    # one launch waits at grid barriers: at most one program per SM, so that all of them are resident
-    most = torch.cuda.get_device_properties(dev).multi_processor_count if one_launch else _programs(dev)
+    # One launch waits at grid barriers, so every program must be resident at once: at most one per
+    # SM on half the SMs (a process limited to part of the GPU, e.g. by MPS, still holds them all).
+    most = max(1, torch.cuda.get_device_properties(dev).multi_processor_count // 2) if one_launch else _programs(dev)
     nprog = max(1, min(items, most))
     per_prog = cdiv(items, nprog)
     fk, fb = fill_key(pb.fill), fill_bits(pb.fill)
@@ -315,7 +316,9 @@ def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> Non
                   nprog, split, per_prog, EMIT=p == PASSES, ALL_PASSES=one_launch, NPASS=PASSES)
 
 
-# Recovery in one launch on CUDA (all passes, grid barriers between them) instead of PASSES + 1 launches.
+# Recovery in one launch on CUDA (all passes, grid barriers between them) instead of PASSES + 1 launches:
+# the launches were most of a small training step's host time. False goes back to one launch per pass
+# (for a GPU shared so that half its SMs cannot hold one program each at once).
 RECOVER_ONE_LAUNCH = True
 
 
