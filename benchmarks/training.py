@@ -96,7 +96,7 @@ def time_steps(fn, inputs, iters: int, device: str) -> float:
 
 
 def profiled_rescore_share(shape, D: int, k: int, device: str, dtype) -> float | None:
-    """Share of one hyscale step's kernel time spent in the rescore kernel (profiler)."""
+    """Share of one hyscale step's device time spent in the rescore kernel (profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     if device != "cuda":
@@ -108,8 +108,8 @@ def profiled_rescore_share(shape, D: int, k: int, device: str, dtype) -> float |
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(*inputs).backward()
         _sync(device)
-    # Kernel records only: summing every profiler row counted each kernel twice (as itself and as
-    # its launching op's self time), which halved the share reported before this fix.
+    # Device records only (kernels, memsets, copies): summing every profiler row counted each kernel
+    # twice (as itself and as its launching op's self time), which halved the share reported before.
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.time_range.elapsed_us() for e in kernels)
     rescore = sum(e.time_range.elapsed_us() for e in kernels if "rescore_kernel" in e.name)

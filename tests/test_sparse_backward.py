@@ -160,18 +160,19 @@ def test_triton_deterministic_is_bitwise_repeatable_with_duplicate_keys(keys_per
 @pytest.mark.parametrize("weights", [True, False])
 def test_triton_row_slices_and_chunks(deterministic, weights, monkeypatch):
     """Picks split over slices (partial dq / dw summed on the host), rows split over contribution
-    chunks, two batches: slot arithmetic of the partials and chunk offsets against the reference.
-    K=11 with 4-pick steps over 3 slices: the last slice has a partial step."""
+    chunks (deterministic path), two batches: slot arithmetic of the partials and chunk offsets
+    against the reference. K=40 in 16-pick steps over 3 slices (16, 16, 8): the last slice has a
+    partial step. 16 is the smallest tensor-core K, so the test runs on a GPU too."""
     from hyscale_compile.runtime import sparse_backward as sb
 
     monkeypatch.setattr(sb, "PREFER_DETERMINISTIC", False)
-    monkeypatch.setattr(sb, "ROW_PICKS", 4)
-    q, kx, w, gv = _problem(B=2, T=7, K=11, S=29, weights=weights, device=DEVICE, seed=4)
-    vis = _vis_to(MASKS["causal"](2, 7, 29), DEVICE)
-    _, idx = reference.select(q, kx, w, 11, 0.7, True, vis, float("-inf"))
+    monkeypatch.setattr(sb, "ROW_PICKS", 16)
+    q, kx, w, gv = _problem(B=2, T=7, K=40, S=61, weights=weights, device=DEVICE, seed=4)
+    vis = _vis_to(MASKS["causal"](2, 7, 61), DEVICE)
+    _, idx = reference.select(q, kx, w, 40, 0.7, True, vis, float("-inf"))
     want = reference.sparse_backward(gv, q, kx, w, idx, 0.7, True, vis)
     whole = _triton(gv, q, kx, w, idx, 0.7, True, vis, deterministic)
-    monkeypatch.setattr(sb, "_CONTRIB_BYTES", 2 * 3 * 11 * 8 * 4)  # 3 rows of both batches per chunk
+    monkeypatch.setattr(sb, "_CONTRIB_BYTES", 2 * 3 * 40 * 8 * 4)  # 3 rows of both batches per chunk
     monkeypatch.setattr(sb, "_slices", lambda rows, K, BK, per_sm, device: 3)
     sliced = _triton(gv, q, kx, w, idx, 0.7, True, vis, deterministic)
     for a, b, c in zip(sliced, whole, want):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -106,12 +107,18 @@ def _unit_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
+def _heads_in_int32(x: Tensor) -> Tensor:
+    """The kernels form head offsets h * head_stride in int32: a layout with heads far apart (a q
+    stored [B, H, T, D] and viewed [B, T, H, D] at a long context) is made contiguous instead."""
+    return x.contiguous() if x.shape[2] * x.stride(2) >= 2**31 else x
+
+
 def _operands(q: Tensor, kx: Tensor, weights: Tensor | None,
               scale: float) -> tuple[Tensor, Tensor, Tensor | None]:
     """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights with the scale folded in."""
     dt = torch.promote_types(q.dtype, kx.dtype)
-    w = None if weights is None else weights.float() * scale
-    return _unit_last(q.to(dt)), _unit_last(kx.to(dt)), w
+    w = None if weights is None else _heads_in_int32(weights.float() * scale)
+    return _heads_in_int32(_unit_last(q.to(dt))), _unit_last(kx.to(dt)), w
 
 
 def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -176,13 +183,23 @@ class _Problem:
                      num_stages=self.tile.stages)
 
 
-@functools.lru_cache(maxsize=64)  # called per launch; a CPU tensor each time cost host time per step
 def fill_key(fill: float) -> int:
+    return _fill_key(fill, math.copysign(1.0, fill))
+
+
+def fill_bits(fill: float) -> int:
+    return _fill_bits(fill, math.copysign(1.0, fill))
+
+
+# Cached (each call built a CPU tensor, per launch), keyed with the sign too: -0.0 == 0.0 as floats,
+# but the bits differ. A NaN never hits the cache (nan != nan): it is computed, as before.
+@functools.lru_cache(maxsize=64)
+def _fill_key(fill: float, sign: float) -> int:
     return int(order_key(torch.tensor([fill], dtype=torch.float32))[0])
 
 
 @functools.lru_cache(maxsize=64)
-def fill_bits(fill: float) -> int:
+def _fill_bits(fill: float, sign: float) -> int:
     return int(torch.tensor([fill], dtype=torch.float32).view(torch.int32)[0])
 
 
@@ -304,8 +321,8 @@ def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> Non
     split = max(1, min(cdiv(pb.S, pb.tile.bs), _programs(dev) // 2))
     items = cdiv(R, pb.tile.bt) * split
     one_launch = RECOVER_ONE_LAUNCH and dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    # One launch waits at grid barriers, so every program must be resident at once: at most one per
-    # SM on half the SMs (a process limited to part of the GPU, e.g. by MPS, still holds them all).
+    # One launch waits at grid barriers, so every program must be resident at once: no more programs
+    # than half the SMs (a process limited to part of the GPU, e.g. by MPS, still holds them all).
     most = max(1, torch.cuda.get_device_properties(dev).multi_processor_count // 2) if one_launch else _programs(dev)
     nprog = max(1, min(items, most))
     per_prog = cdiv(items, nprog)

@@ -77,7 +77,8 @@ def recover_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cn
     device, bounded small training steps). ALL_PASSES needs every program resident at once (the host
     launches at most one per SM) and threads that run concurrently (not the interpreter)."""
     if ALL_PASSES:
-        if tl.load(nflag_ptr) > 0:  # the common case: nothing flagged, every program returns at once
+        # Nothing flagged (the common case): every program skips all passes and barriers at once.
+        if tl.load(nflag_ptr) > 0:
             for pp in range(NPASS):
                 _recover_pass(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cnt_ptr, ecnt_ptr, buf_ptr,
                               mask_ptr, bias_ptr, B, T, S, H, k, scale, fill, fill_key, fill_bits, width, R, pp,

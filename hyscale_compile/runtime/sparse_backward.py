@@ -8,7 +8,9 @@ For each query row (b, t) and each pick j with key s = indices[b, t, j] and upst
     dq[h, :]  += gpre[h, j] * kx[b, s, :]
     dkx[b, s] += sum_h gpre[h, j] * q[b, t, h, :]
 
-dq and dw are per row, so one program per row writes them once. dkx collects picks of many rows:
+dq and dw are per row: one program per row writes them once, or, when a chunk has too few rows to
+fill the GPU, each of P slices of a row's picks writes partials that are summed after (a fixed
+reduction for a fixed P; its bits differ from P=1's by fp32 rounding). dkx collects picks of many rows:
 the atomic path adds them with float atomics (order-dependent bits); the deterministic path writes
 each pick's contribution to a buffer, sorts the picks by key (stable), and sums each key's segment
 in that fixed order. Masked picks (not visible) get a zero upstream gradient, so they add nothing.
@@ -52,6 +54,8 @@ def _row_shape(BH: int, BD: int) -> tuple[int, int, int]:
     picks = ROW_PICKS if ROW_PICKS is not None else (64 if wide else 32)
     stages = ROW_STAGES if ROW_STAGES is not None else (3 if wide else 1)
     per_sm = PROGRAMS_PER_SM if PROGRAMS_PER_SM is not None else (8 if wide else 0)
+    if picks < 16 and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"ROW_PICKS={picks}: the picks per step are a tensor-core K on the GPU (at least 16)")
     return picks, stages, per_sm
 
 
@@ -66,11 +70,11 @@ def _slices(rows: int, K: int, BK: int, per_sm: int, device: torch.device) -> in
 
 @triton.jit
 def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, contrib_ptr,
-                t0, R, T, H, S, K, D, scale, picks, out_T, out_t0,
+                t0, B, R, T, H, S, K, D, scale, slice_picks, out_T, out_t0,
                 HAS_W: tl.constexpr, RELU: tl.constexpr, ATOMIC: tl.constexpr, LOW_PREC: tl.constexpr,
                 PREC: tl.constexpr,
                 BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    # One program per query row of the chunk and slice of ``picks`` picks: pid = b * R + r, the row is
+    # One program per query row of the chunk and slice of ``slice_picks`` picks: pid = b * R + r, the row is
     # t = t0 + r. Slice p writes its dq / dw to rows [p, b, t - out_t0] of a [P, B, out_T] array: dq
     # itself when there is one slice, else partials the host sums in slice order.
     pid = tl.program_id(0)
@@ -78,8 +82,8 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
     b = (pid // R).to(tl.int64)
     t = t0 + (pid % R).to(tl.int64)
     row = b * T + t
-    j_lo = part.to(tl.int64) * picks
-    j_hi = tl.minimum(j_lo + picks, K)
+    j_lo = part.to(tl.int64) * slice_picks
+    j_hi = tl.minimum(j_lo + slice_picks, K)
     hs = tl.arange(0, BH)
     ds = tl.arange(0, BD)
     js = tl.arange(0, BK)
@@ -134,7 +138,7 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
         else:
             tl.store(contrib_ptr + pid.to(tl.int64) * K * D + (k0 + js)[:, None] * D + ds[None, :], contrib,
                      mask=kd_mask)
-    part_rows = (part.to(tl.int64) * (tl.num_programs(0) // R) + b) * out_T + (t - out_t0)
+    part_rows = (part.to(tl.int64) * B + b) * out_T + (t - out_t0)
     tl.store(dq_ptr + part_rows * H * D + hs[:, None] * D + ds[None, :], dq_acc,
              mask=hmask[:, None] & dmask[None, :])
     if HAS_W:
@@ -223,17 +227,17 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
         P = _slices(B * R, K, BK, per_sm, q.device)
-        picks = triton.cdiv(triton.cdiv(K, P), BK) * BK
-        P = triton.cdiv(K, picks)
+        slice_picks = triton.cdiv(triton.cdiv(K, P), BK) * BK
+        P = triton.cdiv(K, slice_picks)
         contrib = dkx if use_atomics else torch.empty(B * R * K * D, dtype=torch.float32, device=q.device)
-        # One slice writes dq / dw in place; several write partials, summed below in slice order.
+        # One slice writes dq / dw in place; several write partials, summed below.
         dq_out, dw_out, out_T, out_t0 = dq, dw, T, 0
         if P > 1:
             dq_out = torch.empty(P, B, R, H, D, dtype=torch.float32, device=q.device)
             dw_out = torch.empty(P, B, R, H, dtype=torch.float32, device=q.device) if weights is not None else dq_out
             out_T, out_t0 = R, t0
-        _row_kernel[(B * R, P)](g, qc, kxc, wc, idx, dq_out, dw_out, dkx, contrib, t0, R, T, H, S, K, D,
-                                float(scale), picks, out_T, out_t0,
+        _row_kernel[(B * R, P)](g, qc, kxc, wc, idx, dq_out, dw_out, dkx, contrib, t0, B, R, T, H, S, K, D,
+                                float(scale), slice_picks, out_T, out_t0,
                                 HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
                                 PREC=_precision(low), BH=BH, BK=BK, BD=BD,
                                 num_warps=8 if BH * BD > 4096 else 4, num_stages=stages)

@@ -305,3 +305,14 @@ def test_op_dispatch_and_repeatability():
     rv, ri = reference.select(q, kx, w, 5, 0.5, True, Visibility(causal=True, offset=28), NEG_INF)
     assert same(a[0], rv) and torch.equal(a[1], ri)
     assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)) and torch.equal(a[1], b[1])
+
+
+def test_fill_bits_and_keys_tell_signed_zeros_apart():
+    """The cached fill conversions: -0.0 == 0.0 as Python floats, but a fill of -0.0 must come back
+    as -0.0 bits (masked picks carry the model's fill exactly), whichever was asked first."""
+    assert hytopk.fill_bits(0.0) == 0
+    assert hytopk.fill_bits(-0.0) == -(2**31)
+    assert hytopk.fill_bits(0.0) == 0
+    assert hytopk.fill_key(-0.0) == hytopk.fill_key(0.0)  # the order ranks them equal, like torch.topk
+    nan = float("nan")
+    assert hytopk.fill_bits(nan) == hytopk.fill_bits(float("nan"))
