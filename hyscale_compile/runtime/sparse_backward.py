@@ -188,13 +188,11 @@ def _masked_grad(grad_values: Tensor, indices: Tensor, vis: Visibility, S: int) 
     return g.contiguous()
 
 
-def _segments(keys: Tensor, n_keys: int) -> tuple[Tensor, Tensor]:
-    """Stable order of picks by key and each key's [start, end) in that order (no host sync)."""
-    if n_keys < 2**31:
-        keys = keys.to(torch.int32)  # a radix sort of half the passes
+def _segments(keys: Tensor, edges: Tensor) -> tuple[Tensor, Tensor]:
+    """Stable order of picks by key and each key's [start, end) in that order (no host sync);
+    edges are 0 .. n_keys in the keys' dtype."""
     sorted_keys, perm = torch.sort(keys, stable=True)
-    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=keys.device, dtype=keys.dtype))
-    return perm.contiguous(), bounds.contiguous()
+    return perm.contiguous(), torch.searchsorted(sorted_keys, edges).contiguous()
 
 
 def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
@@ -224,6 +222,10 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
     BH, BD = _pow2(H), _pow2(D)
     BK, stages, per_sm = _row_shape(BH, BD)
     rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
+    if not use_atomics:  # key of a pick: b * S + s, int32 where it fits (a radix sort of half the passes)
+        key_dtype = torch.int32 if B * S < 2**31 else torch.int64
+        edges = torch.arange(B * S + 1, device=q.device, dtype=key_dtype)
+        batch_base = (torch.arange(B, device=q.device, dtype=key_dtype) * S).view(B, 1, 1)
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
         P = _slices(B * R, K, BK, per_sm, q.device)
@@ -246,8 +248,8 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
             if weights is not None:
                 dw[:, t0:t0 + R] = dw_out.sum(0)
         if not use_atomics:
-            keys = (idx[:, t0:t0 + R] + torch.arange(B, device=q.device).view(B, 1, 1) * S).reshape(-1)
-            perm, seg = _segments(keys, B * S)
+            keys = (idx[:, t0:t0 + R].to(key_dtype) + batch_base).reshape(-1)
+            perm, seg = _segments(keys, edges)
             _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS),)](contrib, perm, seg, dkx, B * S, D, BD=BD,
                                                                  BKEY=SEGMENT_KEYS)
     return _finish(dq, dkx, dw, q, kx, weights)
