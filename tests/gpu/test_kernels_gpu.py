@@ -84,14 +84,16 @@ def test_forced_recovery_and_fallback_exact():
     assert 0 < s.rows_recovered <= 64 and s.fallbacks == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_random_near_ties(dtype):
-    """Random values: near-tie rule against the reference; rescore still bitwise equal to select."""
+@pytest.mark.parametrize("dtype,H", [(torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 64),
+                                     (torch.bfloat16, 19)])
+def test_random_near_ties(dtype, H):
+    """Random values: near-tie rule against the reference; rescore still bitwise equal to select
+    (at H=16 one MMA per block, unrolled; at 19 and 64 the loop over head groups)."""
     hytopk, reference, _ = _mods()
     g = torch.Generator(device="cuda").manual_seed(6)
-    q = torch.randn(1, 256, 16, 128, device="cuda", generator=g).to(dtype)
+    q = torch.randn(1, 256, H, 128, device="cuda", generator=g).to(dtype)
     kx = torch.randn(1, 32768, 128, device="cuda", generator=g).to(dtype)
-    w = torch.randn(1, 256, 16, device="cuda", generator=g)
+    w = torch.randn(1, 256, H, device="cuda", generator=g)
     vis = Visibility(causal=True, offset=32768 - 256)
     v, i = hytopk.select(q, kx, w, 2048, 1 / math.sqrt(128), True, vis, NEG_INF)
     rv, ri = reference.select(q, kx, w, 2048, 1 / math.sqrt(128), True, vis, NEG_INF)
