@@ -64,8 +64,6 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
     if MODE >= 2:  # FILTER (and COUNT)
         thr = key_value(tl.load(thr_ptr + rid, mask=row_ok, other=0))
     sink = tl.zeros((BT,), dtype=tl.float32)
-    # upper[c', c] = 1 for c' <= c: passed @ upper is each row's inclusive running count (exact integers)
-    upper = (tl.arange(0, BS)[:, None] <= tl.arange(0, BS)[None, :]).to(tl.float16)
     for tile in range(tile0 + split, tile1, SPLIT):
         cols = tile * BS + tl.arange(0, BS).to(tl.int64)
         col_ok = cols < S
@@ -84,36 +82,32 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
                 inside = False
             if inside:  # every entry visible: the score is the value, only the row bound matters
                 sink = _emit(acc, row_ok[:, None], thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, sink,
-                             upper, MODE, APPEND, BT, BS)
+                             MODE, APPEND, BT, BS)
             else:
                 val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
                                             mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
                 sink = _emit(val, in_range, thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, sink,
-                             upper, MODE, APPEND, BT, BS)
+                             MODE, APPEND, BT, BS)
     if (MODE == 0) or (MODE == 3):
         pid = (pid_t * tl.num_programs(1) + tl.program_id(1)) * SPLIT + split
         tl.store(out_ptr + pid.to(tl.int64) * BT + tl.arange(0, BT), sink)
 
 
 @triton.jit
-def _emit(val, ok, thr, cols, rid, row_ok, cnt_ptr, buf_ptr, C, stride, sink, upper,
+def _emit(val, ok, thr, cols, rid, row_ok, cnt_ptr, buf_ptr, C, stride, sink,
           MODE: tl.constexpr, APPEND: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
     """Append the entries that are ``ok`` and >= their row's threshold (COUNT mode: count them)."""
-    if MODE == 3:  # the compare without the append (a benchmark diagnostic)
-        passed = ok & ((val >= thr[:, None]) | (val != val))
-        return sink + tl.sum(passed.to(tl.float32), axis=1)
-    if APPEND == 2:
+    if APPEND == 2 and MODE != 3:  # the PTX append makes the same compare itself
         _append_asm(cnt_ptr, buf_ptr, rid, ok, val, thr, cols, C, stride)
-    elif APPEND == 3:
-        passed = ok & ((val >= thr[:, None]) | (val != val))
-        _append_dot(cnt_ptr, buf_ptr, rid, row_ok, passed, val, cols, C, stride, upper)
+        return sink
+    passed = ok & ((val >= thr[:, None]) | (val != val))
+    if MODE == 3:  # the compare without the append (a benchmark diagnostic)
+        return sink + tl.sum(passed.to(tl.float32), axis=1)
+    raw = raw_entry(val, cols[None, :])
+    if APPEND == 0:
+        _append_scan(cnt_ptr, buf_ptr, rid, row_ok, passed, raw, C, stride)
     else:
-        passed = ok & ((val >= thr[:, None]) | (val != val))
-        raw = raw_entry(val, cols[None, :])
-        if APPEND == 0:
-            _append_scan(cnt_ptr, buf_ptr, rid, row_ok, passed, raw, C, stride)
-        else:
-            _append_atomic(cnt_ptr, buf_ptr, rid, passed, raw, C, stride, BT, BS)
+        _append_atomic(cnt_ptr, buf_ptr, rid, passed, raw, C, stride, BT, BS)
     return sink
 
 
@@ -136,34 +130,6 @@ def _append_atomic(cnt_ptr, buf_ptr, rid, passed, raw, C, stride, BT: tl.constex
     ctr = tl.broadcast_to(cnt_ptr + rid[:, None], (BT, BS))
     slot = tl.atomic_add(ctr, tl.full((BT, BS), 1, tl.int32), mask=passed, sem="relaxed")
     tl.store(buf_ptr + rid[:, None] * stride + slot, raw, mask=passed & (slot < C))
-
-
-@triton.jit
-def _append_dot(cnt_ptr, buf_ptr, rid, row_ok, passed, val, cols, C, stride, upper):
-    """Slots without a scan or a per-entry atomic: each row's running count is one small MMA
-    (passed @ upper-triangular ones, exact small integers) that lands in the score tile's own layout,
-    the row's base is one relaxed atomic per row and tile, and the stores are predicated PTX."""
-    incl = tl.dot(passed.to(tl.float16), upper, out_dtype=tl.float32).to(tl.int32)
-    n = tl.sum(passed.to(tl.int32), axis=1)
-    base = tl.atomic_add(cnt_ptr + rid, n, mask=row_ok & (n > 0), sem="relaxed")
-    slot = base[:, None] + incl - 1
-    row = (buf_ptr + rid * stride).to(tl.int64)[:, None]
-    tl.inline_asm_elementwise(
-        """
-        {
-        .reg .pred p;
-        .reg .b64 a, e;
-        mov.b32 $0, 0;
-        setp.ne.b32 p, $1, 0;
-        setp.lt.and.u32 p, $2, $3, p;
-        mad.wide.u32 a, $2, 8, $4;
-        mov.b64 e, {$5, $6};
-        @p st.global.b64 [a], e;
-        }
-        """,
-        "=r,r,r,r,l,r,r",
-        [passed.to(tl.int32), slot, C, row, cols.to(tl.int32)[None, :], val.to(tl.int32, bitcast=True)],
-        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
