@@ -31,6 +31,11 @@ def force_backend(name: str | None) -> Iterator[None]:
         _forced = old
 
 
+def interpreting() -> bool:
+    """Triton kernels run in the interpreter (on the CPU, programs one after another)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import score_tile, stats
+from .dispatch import interpreting
 from .filter_kernels import (
     MODE_FILTER,
     block_kernel,
@@ -44,7 +44,7 @@ from .filter_kernels import (
 )
 from .final_select import decode, select_composites, select_rows, select_rows_reference, sort_width
 from .reference import Visibility, order_key
-from .score_tile import act_kind, block_d
+from .score_tile import act_kind, block_d, precision
 from .select_kernels import PASSES, recover_kernel
 
 
@@ -91,15 +91,6 @@ def _programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 2
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """fp32 inputs are scored in fp32 unless torch's own matmul setting allows tf32."""
-    if dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1":
-        return "upcast"
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
 
 
 def _unit_last(x: Tensor) -> Tensor:
@@ -172,12 +163,12 @@ class _Problem:
         self.strides = (*self.q.stride()[:3], *self.kx.stride()[:2], *wstr, *mstr, *bstr)
         self.tile = tile = dataclasses.replace(score_tile.TILE)
         self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=tile.bt, BS=tile.bs, ACT=act_kind(relu, scale),
-                           HAS_W=self.w is not None, PREC=_precision(self.q.dtype),
+                           HAS_W=self.w is not None, PREC=precision(self.q.dtype),
                            HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)
         self.n_tblk = cdiv(self.T, tile.bt)
 
     def launch(self, kernel, grid, *args, **extra):
-        if self.tile.maxnreg and os.environ.get("TRITON_INTERPRET") != "1":
+        if self.tile.maxnreg and not interpreting():
             extra["maxnreg"] = self.tile.maxnreg
         kernel[grid](*args, *self.strides, **self.consts, **extra, num_warps=self.tile.warps,
                      num_stages=self.tile.stages)
@@ -214,7 +205,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
     buf, used = candidates(pb, k)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         # the interpreter runs the final kernel too slowly for whole-select tests;
         # tests/kernels/test_final_select.py checks it against this reference bit for bit
         values, indices = select_rows_reference(buf, k, used)
@@ -299,7 +290,7 @@ def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MO
 def append_kind(pb: _Problem) -> int:
     """The PTX append only where there is PTX (the interpreter takes the portable atomic one)."""
     a = pb.tile.append
-    return 1 if a == 2 and os.environ.get("TRITON_INTERPRET") == "1" else a
+    return 1 if a == 2 and interpreting() else a
 
 
 def filter_split(pb: _Problem) -> int:
@@ -320,7 +311,7 @@ def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> Non
     ecnt = torch.zeros(R + 1, dtype=torch.int32, device=dev)  # the last one: the grid barrier's counter
     split = max(1, min(cdiv(pb.S, pb.tile.bs), _programs(dev) // 2))
     items = cdiv(R, pb.tile.bt) * split
-    one_launch = RECOVER_ONE_LAUNCH and dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    one_launch = RECOVER_ONE_LAUNCH and dev.type == "cuda" and not interpreting()
     # One launch waits at grid barriers, so every program must be resident at once: no more programs
     # than half the SMs (a process limited to part of the GPU, e.g. by MPS, still holds them all).
     most = max(1, torch.cuda.get_device_properties(dev).multi_processor_count // 2) if one_launch else _programs(dev)

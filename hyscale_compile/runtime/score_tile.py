@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
+
+from .dispatch import interpreting
 
 
 @dataclass
@@ -39,6 +42,15 @@ TILE = TileConfig()  # read at each call; change it only between calls (benchmar
 
 INT32_MIN = -(2**31)
 INT64_MIN = -(2**63)
+
+
+def precision(dtype: torch.dtype) -> str:
+    """score_tile's PREC for operands of ``dtype``: 16-bit as stored (widened under the interpreter,
+    whose dot cannot take them; the products are exact either way), fp32 in fp32 unless torch's own
+    matmul setting allows tf32. The sparse backward's gate dots follow the same rule."""
+    if dtype != torch.float32:
+        return "upcast" if interpreting() else "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def block_d(D: int) -> int:

@@ -18,14 +18,14 @@ in that fixed order. Masked picks (not visible) get a zero upstream gradient, so
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from .dispatch import interpreting
 from .reference import Visibility
+from .score_tile import precision
 
 # Deterministic dkx even when the caller allows atomics: the training benchmark measured it faster than
 # the atomic path on the H200 (2.5 vs 3.0 ms at T=2048, S=65536, H=16, k=2048; the rule is <= 1.3x).
@@ -48,15 +48,15 @@ ROW_STAGES: int | None = None
 PROGRAMS_PER_SM: int | None = None
 
 
-def _row_shape(BH: int, BD: int) -> tuple[int, int, int]:
-    """(picks per step, num_stages, programs per SM) for rows of BH heads x BD dims."""
+def _row_shape(BH: int, BD: int) -> tuple[int, int, int, int]:
+    """(picks per step, num_stages, programs per SM, warps) for rows of BH heads x BD dims."""
     wide = BH * BD > 4096
     picks = ROW_PICKS if ROW_PICKS is not None else (64 if wide else 32)
     stages = ROW_STAGES if ROW_STAGES is not None else (3 if wide else 1)
     per_sm = PROGRAMS_PER_SM if PROGRAMS_PER_SM is not None else (8 if wide else 0)
-    if picks < 16 and os.environ.get("TRITON_INTERPRET") != "1":
+    if picks < 16 and not interpreting():
         raise ValueError(f"ROW_PICKS={picks}: the picks per step are a tensor-core K on the GPU (at least 16)")
-    return picks, stages, per_sm
+    return picks, stages, per_sm, 8 if wide else 4
 
 
 def _slices(rows: int, K: int, BK: int, per_sm: int, device: torch.device) -> int:
@@ -167,13 +167,6 @@ def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, n_keys, D, BD: tl.c
     tl.store(dkx_ptr + p[:, None] * D + ds[None, :], acc, mask=tile)
 
 
-def _precision(low: bool) -> str:
-    """The forward's precision rule (hytopk): the interpreter upcasts 16-bit; fp32 uses tf32 only if torch does."""
-    if low:
-        return "upcast" if os.environ.get("TRITON_INTERPRET") == "1" else "ieee"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -220,7 +213,7 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         dw.zero_()
         return _finish(dq, dkx, dw, q, kx, weights)
     BH, BD = _pow2(H), _pow2(D)
-    BK, stages, per_sm = _row_shape(BH, BD)
+    BK, stages, per_sm, warps = _row_shape(BH, BD)
     rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
     if not use_atomics:  # key of a pick: b * S + s, int32 where it fits (a radix sort of half the passes)
         key_dtype = torch.int32 if B * S < 2**31 else torch.int64
@@ -241,8 +234,8 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         _row_kernel[(B * R, P)](g, qc, kxc, wc, idx, dq_out, dw_out, dkx, contrib, t0, B, R, T, H, S, K, D,
                                 float(scale), slice_picks, out_T, out_t0,
                                 HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
-                                PREC=_precision(low), BH=BH, BK=BK, BD=BD,
-                                num_warps=8 if BH * BD > 4096 else 4, num_stages=stages)
+                                PREC=precision(qc.dtype), BH=BH, BK=BK, BD=BD,
+                                num_warps=warps, num_stages=stages)
         if P > 1:
             dq[:, t0:t0 + R] = dq_out.sum(0)
             if weights is not None:
