@@ -13,9 +13,7 @@ time and above its kernel time is host-bound: faster kernels will not make it fa
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
 import warnings
@@ -57,16 +55,6 @@ def timed_entries() -> tuple[dict, callable]:
     return totals, undo
 
 
-def kernel_ms(fn, inputs) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn(*inputs).backward()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in kernels) / 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", type=int, default=0, help="index into the training benchmark's shapes")
@@ -96,7 +84,7 @@ def main() -> None:
         enqueue.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
     row["enqueue_ms"] = sorted(enqueue)[len(enqueue) // 2]
-    row["kernel_ms"] = kernel_ms(fn, inputs)
+    row["kernel_ms"] = sum(us for _, us in training.device_records(fn, inputs)) / 1e3
 
     totals, undo = timed_entries()
     try:
@@ -123,12 +111,7 @@ def main() -> None:
     row["host_ms_in"] = {name: round(v, 3) for name, v in row["host_ms_in"].items()}
     print(json.dumps(row, indent=1), flush=True)
     if args.out:
-        import triton
-
-        doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   date=datetime.date.today().isoformat(), commit=os.environ.get("HYSCALE_COMMIT", ""), rows=[row])
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        training.write_results(args.out, "cuda", [row])
 
 
 if __name__ == "__main__":

@@ -97,23 +97,31 @@ def time_steps(fn, inputs, iters: int, device: str) -> float:
 
 def profiled_rescore_share(shape, D: int, k: int, device: str, dtype) -> float | None:
     """Share of one hyscale step's device time spent in the rescore kernel (profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
     if device != "cuda":
         return None
     torch._dynamo.reset()
     inputs = make_inputs(*shape, D, k, device, dtype)
     fn = make_fn("hyscale", k)
     time_steps(fn, inputs, 1, device)
+    records = device_records(fn, inputs)
+    total = sum(us for _, us in records)
+    rescore = sum(us for name, us in records if "rescore_kernel" in name)
+    return round(rescore / total, 4) if total else None
+
+
+def device_records(fn, inputs) -> list[tuple[str, float]]:
+    """(name, microseconds) of every device record (kernels, memsets, copies) of one profiled CUDA step.
+
+    Device records only: summing every profiler row counted each kernel twice (as itself and as its
+    launching op's self time), which halved the rescore share reported before.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(*inputs).backward()
-        _sync(device)
-    # Device records only (kernels, memsets, copies): summing every profiler row counted each kernel
-    # twice (as itself and as its launching op's self time), which halved the share reported before.
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.time_range.elapsed_us() for e in kernels)
-    rescore = sum(e.time_range.elapsed_us() for e in kernels if "rescore_kernel" in e.name)
-    return round(rescore / total, 4) if total else None
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def rescore_ms(inputs, k: int, iters: int, device: str) -> float:
@@ -265,10 +273,11 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         if not args.smoke:
-            _write(args.out, device, rows)
+            write_results(args.out, device, rows)
 
 
-def _write(path: str, device: str, rows: list[dict]) -> None:
+def write_results(path: str, device: str, rows: list[dict]) -> None:
+    """results/*.json as every benchmark here writes it: device, versions, date, commit, rows."""
     import triton
 
     # A copy of the tree without .git (a remote device) names its commit through the environment.

@@ -14,20 +14,20 @@ D=128, bf16, causal, queries at the end of the context).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
-import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hyscale_compile.runtime import hytopk  # noqa: E402
 from hyscale_compile.runtime import sparse_backward as sb  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import training  # noqa: E402  (write_results: the results file every benchmark here writes)
 
 SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H)
 D, K = 128, 2048
@@ -138,15 +138,7 @@ def main() -> None:
         del q, kx, w
     if args.smoke:
         return
-    commit = os.environ.get("HYSCALE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-        cwd=os.path.dirname(__file__)).stdout.strip()
-    doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               date=datetime.date.today().isoformat(), commit=commit, rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    training.write_results(args.out, "cuda", rows)
 
 
 if __name__ == "__main__":
