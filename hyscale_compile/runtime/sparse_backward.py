@@ -146,22 +146,27 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
 
 
 @triton.jit
-def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, n_keys, D, BD: tl.constexpr, BKEY: tl.constexpr):
+def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, n_keys, D, seg_base, group_rows, K, R, r0,
+                    BD: tl.constexpr, BKEY: tl.constexpr):
     # BKEY key positions p = b * S + s per program, each adding its picks one after another in their
     # sorted (stable) order: the bits depend only on the picks. One key per program was bound by how
     # fast programs start (a key has T*K/S picks on average, split over the row chunks: a handful).
+    # The order covers a group of chunks: this chunk's bounds start at seg_base, and a pick's place f
+    # among the group's [B, group_rows, K] picks maps to its contribution row (b * R + r - r0) * K + j.
     p = tl.program_id(0).to(tl.int64) * BKEY + tl.arange(0, BKEY)
     ds = tl.arange(0, BD)
     pmask = p < n_keys
     tile = pmask[:, None] & (ds < D)[None, :]
-    start = tl.load(seg_ptr + p, mask=pmask, other=0)
-    count = tl.load(seg_ptr + p + 1, mask=pmask, other=0) - start
+    start = tl.load(seg_ptr + seg_base + p, mask=pmask, other=0)
+    count = tl.load(seg_ptr + seg_base + p + 1, mask=pmask, other=0) - start
     acc = tl.load(dkx_ptr + p[:, None] * D + ds[None, :], mask=tile, other=0.0)
     n = tl.max(count, axis=0)
+    per_batch = group_rows * K
     i = 0
     while i < n:
         ok = i < count
-        src = tl.load(perm_ptr + start + i, mask=ok, other=0).to(tl.int64)
+        f = tl.load(perm_ptr + start + i, mask=ok, other=0).to(tl.int64)
+        src = (f // per_batch) * R * K + f % per_batch - r0 * K
         acc += tl.load(contrib_ptr + src[:, None] * D + ds[None, :], mask=ok[:, None] & tile, other=0.0)
         i += 1
     tl.store(dkx_ptr + p[:, None] * D + ds[None, :], acc, mask=tile)
@@ -181,11 +186,27 @@ def _masked_grad(grad_values: Tensor, indices: Tensor, vis: Visibility, S: int) 
     return g.contiguous()
 
 
-def _segments(keys: Tensor, edges: Tensor) -> tuple[Tensor, Tensor]:
-    """Stable order of picks by key and each key's [start, end) in that order (no host sync);
-    edges are 0 .. n_keys in the keys' dtype."""
-    sorted_keys, perm = torch.sort(keys, stable=True)
-    return perm.contiguous(), torch.searchsorted(sorted_keys, edges).contiguous()
+def _pick_order(idx: Tensor, g0: int, group_rows: int, rows: int, S: int) -> tuple[Tensor, Tensor]:
+    """Stable order of the picks of rows [g0, g0 + group_rows) by (chunk of ``rows`` rows, key b * S + s),
+    and each (chunk, key)'s [start, end) in it: one sort for several chunks, no host sync. Inside a
+    segment the picks keep their (b, row, j) order, as one sort per chunk gave."""
+    B, _, K = idx.shape
+    n = B * S
+    chunks = triton.cdiv(group_rows, rows)
+    dtype = torch.int32 if chunks * n < 2**31 else torch.int64  # a radix sort of half the passes
+    dev = idx.device
+    base = ((torch.arange(group_rows, device=dev, dtype=dtype) // rows) * n).view(1, group_rows, 1)
+    base = base + (torch.arange(B, device=dev, dtype=dtype) * S).view(B, 1, 1)
+    keys = idx[:, g0:g0 + group_rows].to(dtype) + base
+    sorted_keys, perm = torch.sort(keys.reshape(-1), stable=True)
+    edges = torch.arange(chunks * n + 1, device=dev, dtype=dtype)
+    return perm, torch.searchsorted(sorted_keys, edges, out_int32=keys.numel() < 2**31)
+
+
+def _group_chunks(B: int, rows: int, K: int, S: int) -> int:
+    """Chunks ordered by one sort: as many as keep the ordering's bytes (keys, sorted keys and int64
+    order per pick; edges and bounds per chunk and key) under the contribution buffer's."""
+    return max(1, _CONTRIB_BYTES // (24 * B * rows * K + 16 * B * S))
 
 
 def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
@@ -215,16 +236,16 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
     BH, BD = _pow2(H), _pow2(D)
     BK, stages, per_sm, warps = _row_shape(BH, BD)
     rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
-    if not use_atomics:  # key of a pick: b * S + s, int32 where it fits (a radix sort of half the passes)
-        key_dtype = torch.int32 if B * S < 2**31 else torch.int64
-        edges = torch.arange(B * S + 1, device=q.device, dtype=key_dtype)
-        batch_base = (torch.arange(B, device=q.device, dtype=key_dtype) * S).view(B, 1, 1)
+    group_rows = rows * _group_chunks(B, rows, K, S)
+    contrib = dkx if use_atomics else torch.empty(B * rows * K * D, dtype=torch.float32, device=q.device)
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
+        if not use_atomics and t0 % group_rows == 0:  # the next group's order (keys never leave the device)
+            g0, G = t0, min(group_rows, T - t0)
+            perm, seg = _pick_order(idx, g0, G, rows, S)
         P = _slices(B * R, K, BK, per_sm, q.device)
         slice_picks = triton.cdiv(triton.cdiv(K, P), BK) * BK
         P = triton.cdiv(K, slice_picks)
-        contrib = dkx if use_atomics else torch.empty(B * R * K * D, dtype=torch.float32, device=q.device)
         # One slice writes dq / dw in place; several write partials, summed below.
         dq_out, dw_out, out_T, out_t0 = dq, dw, T, 0
         if P > 1:
@@ -241,10 +262,9 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
             if weights is not None:
                 dw[:, t0:t0 + R] = dw_out.sum(0)
         if not use_atomics:
-            keys = (idx[:, t0:t0 + R].to(key_dtype) + batch_base).reshape(-1)
-            perm, seg = _segments(keys, edges)
-            _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS),)](contrib, perm, seg, dkx, B * S, D, BD=BD,
-                                                                 BKEY=SEGMENT_KEYS)
+            r0 = t0 - g0  # this chunk's first row in its group; its bounds start at chunk * B * S
+            _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS),)](contrib, perm, seg, dkx, B * S, D, r0 // rows * B * S,
+                                                                 G, K, R, r0, BD=BD, BKEY=SEGMENT_KEYS)
     return _finish(dq, dkx, dw, q, kx, weights)
 
 
