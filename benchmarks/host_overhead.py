@@ -7,13 +7,19 @@ rescore, sparse backward: Python, allocations and kernel launches), and any host
 in the step (``torch.cuda.set_sync_debug_mode``). A step whose enqueue time is close to its wall
 time and above its kernel time is host-bound: faster kernels will not make it faster.
 
-    python benchmarks/host_overhead.py [--shape 0] [--out results/host_overhead.json]
+    python benchmarks/host_overhead.py [--shape 0] [--out results/host_overhead.json] [--cprofile FILE]
+
+--cprofile writes the Python functions that take the host's time in those steps (cProfile, by own
+time and by cumulative time), to see which calls inside an entry cost it.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 import warnings
@@ -55,11 +61,28 @@ def timed_entries() -> tuple[dict, callable]:
     return totals, undo
 
 
+def write_profile(path: str, fn, inputs, iters: int) -> None:
+    """cProfile of `iters` steps (host side only: no sync inside), top functions two ways."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(iters):
+        fn(*inputs).backward()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats(key).print_stats(60)
+    Path(path).write_text(f"{iters} steps\n" + out.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", type=int, default=0, help="index into the training benchmark's shapes")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cprofile", default=None, help="write a cProfile table of the steps' host time here")
     args = ap.parse_args()
     T, S, H = training.SHAPES[args.shape]
     D, k = 128, 2048
@@ -94,6 +117,9 @@ def main() -> None:
     finally:
         undo()
     row["host_ms_in"] = {name: v / args.iters for name, v in totals.items()}
+
+    if args.cprofile:
+        write_profile(args.cprofile, fn, inputs, args.iters)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

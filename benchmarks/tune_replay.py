@@ -2,12 +2,17 @@
 backward (dq, dw, dkx through the k picks only).
 
 This is the measurement behind the defaults ``hytopk.RESCORE_*`` and ``sparse_backward.ROW_*`` /
-``PROGRAMS_PER_SM``. For each variant: the median device time (triton's do_bench) and a check:
-rescore must equal select's values bit for bit; a sparse backward variant must match the first
-variant to fp32 rounding and repeat its own bits. Shapes are the training benchmark's (k=2048,
-D=128, bf16, causal, queries at the end of the context).
+``PROGRAMS_PER_SM``. For each variant: the median time of a call (triton's do_bench: host gaps
+included when the host is slower than the kernels), the kernels' own time per call (profiler device
+records, ``device_ms``) and a check: rescore must equal select's values bit for bit; a sparse
+backward variant must match the first variant to fp32 rounding and repeat its own bits. Two
+reference rows: ``gather_floor``, a kernel that only gathers the rescore's keys (same blocks, same
+grid) and writes one float per pick, what the rescore's memory traffic alone costs; and the sparse
+backward with float atomics for dkx (the rule: deterministic by default unless it costs more than
+1.3x the atomic one). Shapes are the training benchmark's (k=2048, D=128, bf16, causal, queries
+at the end of the context).
 
-    python benchmarks/tune_replay.py [--shapes 0,1,2] [--out results/tune_replay.json]
+    python benchmarks/tune_replay.py [--shapes 0,1,2] [--defaults-only] [--out results/tune_replay.json]
     TRITON_INTERPRET=1 python benchmarks/tune_replay.py --smoke    # tiny shapes on the CPU, prints only
 """
 
@@ -19,6 +24,8 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -35,14 +42,65 @@ DEVICE = "cuda"
 
 # (blocks per program, stages): (1, 1) is one 64-key block per program, as before pipelining
 RESCORE_VARIANTS = [(1, 1), (8, 1), (8, 2), (8, 3), (16, 3), (4, 3), (8, 4)]
-# (row picks, stages, programs per SM; 0: one slice per row, no partial sums)
-BACKWARD_VARIANTS = [(32, 1, 0), (32, 3, 0), (32, 3, 8), (64, 3, 8), (32, 2, 8), (32, 3, 16), (16, 3, 8)]
+# (row picks, stages, programs per SM; 0: one slice per row, no partial sums; deterministic dkx);
+# None: the default rule (sparse_backward._row_shape). The first is the reference of the others.
+BACKWARD_VARIANTS = [(None, None, None, True), (None, None, None, False), (32, 1, 0, True), (32, 3, 0, True),
+                     (32, 3, 8, True), (64, 3, 8, True), (32, 2, 8, True), (32, 3, 16, True), (16, 3, 8, True)]
 
 
 def bench(fn) -> float:
     if DEVICE != "cuda":
         return float("nan")
     return round(do_bench(fn, warmup=25, rep=150, return_mode="median"), 3)
+
+
+def device_ms(fn, reps: int = 5) -> float:
+    """Kernel time per call: the profiler's device records of ``reps`` calls (no host gaps)."""
+    if DEVICE != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.time_range.elapsed_us() for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    return round(total / reps / 1e3, 3)
+
+
+@triton.jit
+def _gather_floor_kernel(kx_ptr, idx_ptr, out_ptr, K, picks, D: tl.constexpr, BJ: tl.constexpr):
+    # The rescore's loads and stores without its arithmetic: per program one row's `picks` keys, BJ at
+    # a time, each gathered row summed to one float (so no load can be dropped) and stored per pick.
+    r = tl.program_id(0).to(tl.int64)
+    j_lo = tl.program_id(1).to(tl.int64) * picks
+    j_hi = tl.minimum(j_lo + picks, K)
+    ds = tl.arange(0, D)
+    for j0 in range(j_lo, j_hi, BJ):
+        j = j0 + tl.arange(0, BJ)
+        ok = j < j_hi
+        cols = tl.load(idx_ptr + r * K + j, mask=ok, other=0)
+        kg = tl.load(kx_ptr + cols[:, None] * D + ds[None, :], mask=ok[:, None], other=0.0)
+        tl.store(out_ptr + r * K + j, tl.sum(kg.to(tl.float32), axis=1), mask=ok)
+
+
+def gather_floor_row(kx, idx) -> dict:
+    T = idx.shape[1]
+    out = torch.empty(T, K, dtype=torch.float32, device=kx.device)
+    picks = hytopk.RESCORE_BJ * hytopk.RESCORE_BLOCKS
+    flat = idx.reshape(T, K).contiguous()
+
+    def run():
+        _gather_floor_kernel[(T, triton.cdiv(K, picks))](kx, flat, out, K, picks, D=D, BJ=hytopk.RESCORE_BJ,
+                                                          num_warps=4, num_stages=hytopk.RESCORE_STAGES)
+
+    row = dict(kernel="gather_floor", blocks=hytopk.RESCORE_BLOCKS, stages=hytopk.RESCORE_STAGES)
+    row.update(ms=bench(run), device_ms=device_ms(run), bytes_gathered=T * K * D * kx.element_size())
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def inputs(T: int, S: int, H: int):
@@ -68,13 +126,16 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
             row = dict(kernel="rescore", blocks=blocks, stages=stages)
             try:
                 out = run()
-                row.update(ms=bench(run), mismatches=int((out.view(torch.int32) != values.view(torch.int32)).sum()))
+                row.update(ms=bench(run), device_ms=device_ms(run),
+                           mismatches=int((out.view(torch.int32) != values.view(torch.int32)).sum()))
             except Exception as e:  # a variant that fails to compile is a result too
                 row["failed"] = str(e)[:300]
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
         hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES = old
+    if DEVICE == "cuda":
+        rows.append(gather_floor_row(kx, idx))
     return rows
 
 
@@ -84,19 +145,22 @@ def backward_rows(q, kx, w, vis) -> list[dict]:
     idx = torch.randint(0, S - T, (1, T, K), device=DEVICE, generator=g)
     gv = torch.randn(1, T, K, device=DEVICE, generator=g)
     rows, first = [], None
-    old = (sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM)
+    old = (sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM, sb.PREFER_DETERMINISTIC)
+    sb.PREFER_DETERMINISTIC = False  # deterministic=False really means float atomics
     try:
-        for picks, stages, per_sm in BACKWARD_VARIANTS:
+        for picks, stages, per_sm, det in BACKWARD_VARIANTS:
             sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM = picks, stages, per_sm
 
-            def run():
-                return sb.sparse_backward(gv, q, kx, w, idx, D**-0.5, True, vis, deterministic=True)
+            def run(det=det):
+                return sb.sparse_backward(gv, q, kx, w, idx, D**-0.5, True, vis, deterministic=det)
 
-            row = dict(kernel="sparse_backward", row_picks=picks, stages=stages, programs_per_sm=per_sm)
+            row = dict(kernel="sparse_backward", row_picks=picks, stages=stages, programs_per_sm=per_sm,
+                       dkx="deterministic" if det else "atomic")
             try:
                 out = run()
                 again = run()
-                row.update(ms=bench(run), repeatable=all(torch.equal(a, b) for a, b in zip(out, again)))
+                row.update(ms=bench(run), device_ms=device_ms(run),
+                           repeatable=all(torch.equal(a, b) for a, b in zip(out, again)))
             except Exception as e:
                 row["failed"] = str(e)[:300]
                 print(json.dumps(row), flush=True)
@@ -110,7 +174,7 @@ def backward_rows(q, kx, w, vis) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM = old
+        sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM, sb.PREFER_DETERMINISTIC = old
     return rows
 
 
@@ -119,7 +183,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="0,1,2")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tune_replay.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device, prints only")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="the default rescore and backward (and the atomic one) only, no other variants")
     args = ap.parse_args()
+    if args.defaults_only:
+        global RESCORE_VARIANTS, BACKWARD_VARIANTS
+        RESCORE_VARIANTS = [(hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES)]
+        BACKWARD_VARIANTS = BACKWARD_VARIANTS[:2]
     if args.smoke:
         global SHAPES, D, K, DEVICE
         SHAPES, D, K = [(20, 90, 16), (20, 90, 19)], 32, 24
