@@ -3,7 +3,7 @@
     sample     -> per row, keys of M evenly spaced positions of its range       (sample_kernel)
     threshold  -> the ceil(target*m/ctx)-th best sample; writes the row's extras (threshold_kernel)
     filter     -> score tiles on chip, append composites >= threshold            (block_kernel)
-    check      -> flag rows whose buffer overflowed or may miss part of the top-k (torch, on device)
+    check      -> flag rows whose buffer overflowed or may miss part of the top-k (check_kernel)
     recovery   -> flagged rows: radix select over recomputed scores              (recover_kernel)
     select     -> top-k of each row buffer by the unique (value, position) composite (final_select)
 
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import score_tile, stats
+from .check_kernels import check_block, check_kernel
 from .dispatch import interpreting
 from .filter_kernels import (
     MODE_FILTER,
@@ -225,13 +226,13 @@ def candidates(pb: _Problem, k: int) -> tuple[Tensor, tuple[Tensor, int]]:
     buf, thr = sample_threshold(pb, k)
     _, cap, _ = sizes(k, pb.S)
     cnt = filter_rows(pb, thr, buf, cap)
-    n_out = (pb.S - (pb.hi - pb.lo)).view(R)
-    ext = torch.where(thr.long() <= fill_key(pb.fill), n_out.clamp(max=k), torch.zeros_like(n_out))
-    flag = (cnt > cap) | (cnt.long() + ext < k)
-    _recover(pb, k, flag, buf, buf.shape[1])
-    stats.record(pb.device, R, flag.sum(), cnt.clamp(max=cap).sum())
-    # a recovered row holds its k entries from slot 0 and sentinels after them, up to the row's end
-    used = torch.where(flag, min(k, cap), cnt.clamp(max=cap))
+    # check: flag rows that overflowed or may miss part of their top k, list them, count them
+    used = torch.empty(R, dtype=torch.int32, device=pb.device)
+    rows = torch.empty(R + 1, dtype=torch.int64, device=pb.device)
+    nflag = torch.empty(1, dtype=torch.int32, device=pb.device)
+    check_kernel[(1,)](cnt, thr, pb.lo, pb.hi, used, rows, nflag, stats.counters(pb.device), R, pb.S, k, cap,
+                       fill_key(pb.fill), stats.FALLBACK_ROWS, BLOCK=check_block(R), num_warps=4)
+    _recover(pb, k, nflag, rows, buf, buf.shape[1])
     return buf, (used, cap)
 
 
@@ -299,14 +300,11 @@ def filter_split(pb: _Problem) -> int:
     return max(1, min(cdiv(pb.S, pb.tile.bs), max(32, cdiv(_programs(pb.device), pb.n_tblk * pb.B))))
 
 
-def _recover(pb: _Problem, k: int, flag: Tensor, buf: Tensor, width: int) -> None:
-    """Rewrite the buffers of flagged rows with their exact top k, for any number of flagged rows."""
-    R = flag.numel()
-    dev = flag.device
-    rank = torch.cumsum(flag, 0) - 1
-    nflag = flag.sum().to(torch.int32).view(1)
-    rows = torch.zeros(R + 1, dtype=torch.int64, device=dev)
-    rows.scatter_(0, torch.where(flag, rank, R), torch.arange(R, device=dev))
+def _recover(pb: _Problem, k: int, nflag: Tensor, rows: Tensor, buf: Tensor, width: int) -> None:
+    """Rewrite the buffers of the nflag (device count) flagged rows listed in rows with their exact top k,
+    for any number of flagged rows."""
+    R = pb.B * pb.T
+    dev = pb.device
     counts = torch.zeros(PASSES, R, 16, dtype=torch.int32, device=dev)
     ecnt = torch.zeros(R + 1, dtype=torch.int32, device=dev)  # the last one: the grid barrier's counter
     split = max(1, min(cdiv(pb.S, pb.tile.bs), _programs(dev) // 2))

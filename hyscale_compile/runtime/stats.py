@@ -1,7 +1,7 @@
 """HyTopK runtime statistics, kept as device tensors so the hot path never waits for the host.
 
-``record`` adds to per-device counters with in-place tensor ops (CUDA-graph safe once allocated);
-``read`` copies them to the host on demand (that one call synchronizes).
+HyTopK's check kernel adds to the per-device ``counters`` on the device (CUDA-graph safe once
+allocated); ``read`` copies them to the host on demand (that one call synchronizes).
 """
 
 from __future__ import annotations
@@ -27,20 +27,12 @@ class Stats:
     mean_candidates: float
 
 
-def _get(device: torch.device) -> Tensor:
+def counters(device: torch.device) -> Tensor:
+    """The device's int64 counters, in slot order (calls, rows, recovered, fallbacks, candidates):
+    HyTopK's check kernel adds each select call to them on the device."""
     if device not in _counters:
         _counters[device] = torch.zeros(5, dtype=torch.int64, device=device)
     return _counters[device]
-
-
-def record(device: torch.device, rows: int, nflag: Tensor, candidates: Tensor) -> None:
-    """Accumulate one select call: nflag and candidates are device scalars (no sync)."""
-    c = _get(device)
-    c[_CALLS] += 1
-    c[_ROWS] += rows
-    c[_RECOVERED] += nflag.reshape(()).to(torch.int64)
-    c[_FALLBACKS] += (nflag.reshape(()) > FALLBACK_ROWS).to(torch.int64)
-    c[_CANDIDATES] += candidates.reshape(()).to(torch.int64)
 
 
 def read(device: torch.device | str | None = None) -> Stats:
