@@ -11,9 +11,10 @@ For each query row (b, t) and each pick j with key s = indices[b, t, j] and upst
 dq and dw are per row: one program per row writes them once, or, when a chunk has too few rows to
 fill the GPU, each of P slices of a row's picks writes partials that are summed after (a fixed
 reduction for a fixed P; its bits differ from P=1's by fp32 rounding). dkx collects picks of many rows:
-the atomic path adds them with float atomics (order-dependent bits); the deterministic path writes
-each pick's contribution to a buffer, sorts the picks by key (stable), and sums each key's segment
-in that fixed order. Masked picks (not visible) get a zero upstream gradient, so they add nothing.
+the atomic path adds them with float atomics (order-dependent bits); the deterministic path sorts
+the picks by key (stable) first, writes each pick's contribution at its place in that order, and
+sums each key's contiguous run in that fixed order. Masked picks (not visible) get a zero upstream
+gradient, so they add nothing.
 """
 
 from __future__ import annotations
@@ -69,14 +70,16 @@ def _slices(rows: int, K: int, BK: int, per_sm: int, device: torch.device) -> in
 
 
 @triton.jit
-def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, contrib_ptr,
-                t0, B, R, T, H, S, K, D, scale, slice_picks, out_T, out_t0,
+def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, contrib_ptr, place_ptr, seg_ptr,
+                t0, B, R, T, H, S, K, D, scale, slice_picks, out_T, out_t0, seg_base, g0, group_rows,
                 HAS_W: tl.constexpr, RELU: tl.constexpr, ATOMIC: tl.constexpr, LOW_PREC: tl.constexpr,
                 PREC: tl.constexpr,
                 BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     # One program per query row of the chunk and slice of ``slice_picks`` picks: pid = b * R + r, the row is
     # t = t0 + r. Slice p writes its dq / dw to rows [p, b, t - out_t0] of a [P, B, out_T] array: dq
-    # itself when there is one slice, else partials the host sums in slice order.
+    # itself when there is one slice, else partials the host sums in slice order. The deterministic path
+    # writes each pick's dkx contribution at its place in the sorted order, counted from the chunk's
+    # first place (so the segment reduction reads each key's picks as one contiguous run).
     pid = tl.program_id(0)
     part = tl.program_id(1)
     b = (pid // R).to(tl.int64)
@@ -96,6 +99,9 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
     else:
         wv = tl.where(hmask, 1.0, 0.0)
     kx_b = kx_ptr + b * S * D
+    if not ATOMIC:
+        place_row = place_ptr + (b * group_rows + t - g0) * K
+        first = tl.load(seg_ptr + seg_base).to(tl.int64)
     dq_acc = tl.zeros((BH, BD), dtype=tl.float32)
     dw_acc = tl.zeros((BH,), dtype=tl.float32)
     # Pipelined (the launch's num_stages): the dependent index -> key loads bound the loop when issued
@@ -136,8 +142,8 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
         if ATOMIC:
             tl.atomic_add(dkx_ptr + b * S * D + ids[:, None] * D + ds[None, :], contrib, mask=kd_mask)
         else:
-            tl.store(contrib_ptr + pid.to(tl.int64) * K * D + (k0 + js)[:, None] * D + ds[None, :], contrib,
-                     mask=kd_mask)
+            dst = tl.load(place_row + k0 + js, mask=jmask, other=0).to(tl.int64) - first
+            tl.store(contrib_ptr + dst[:, None] * D + ds[None, :], contrib, mask=kd_mask)
     part_rows = (part.to(tl.int64) * B + b) * out_T + (t - out_t0)
     tl.store(dq_ptr + part_rows * H * D + hs[:, None] * D + ds[None, :], dq_acc,
              mask=hmask[:, None] & dmask[None, :])
@@ -146,28 +152,26 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
 
 
 @triton.jit
-def _segment_kernel(contrib_ptr, perm_ptr, seg_ptr, dkx_ptr, n_keys, D, seg_base, group_rows, K, R, r0,
-                    BD: tl.constexpr, BKEY: tl.constexpr):
+def _segment_kernel(contrib_ptr, seg_ptr, dkx_ptr, n_keys, D, seg_base, BD: tl.constexpr, BKEY: tl.constexpr):
     # BKEY key positions p = b * S + s per program, each adding its picks one after another in their
     # sorted (stable) order: the bits depend only on the picks. One key per program was bound by how
     # fast programs start (a key has T*K/S picks on average, split over the row chunks: a handful).
-    # The order covers a group of chunks: this chunk's bounds start at seg_base, and a pick's place f
-    # among the group's [B, group_rows, K] picks maps to its contribution row (b * R + r - r0) * K + j.
+    # The row kernel wrote the contributions in sorted order: key p's are the contiguous run
+    # [seg[p] - seg[0], seg[p + 1] - seg[0]) of this chunk's buffer (seg from this chunk's base).
     p = tl.program_id(0).to(tl.int64) * BKEY + tl.arange(0, BKEY)
     ds = tl.arange(0, BD)
     pmask = p < n_keys
     tile = pmask[:, None] & (ds < D)[None, :]
-    start = tl.load(seg_ptr + seg_base + p, mask=pmask, other=0)
+    first = tl.load(seg_ptr + seg_base).to(tl.int64)
+    start = tl.load(seg_ptr + seg_base + p, mask=pmask, other=0).to(tl.int64)
     count = tl.load(seg_ptr + seg_base + p + 1, mask=pmask, other=0) - start
+    start -= first
     acc = tl.load(dkx_ptr + p[:, None] * D + ds[None, :], mask=tile, other=0.0)
     n = tl.max(count, axis=0)
-    per_batch = group_rows * K
     i = 0
     while i < n:
         ok = i < count
-        f = tl.load(perm_ptr + start + i, mask=ok, other=0).to(tl.int64)
-        src = (f // per_batch) * R * K + f % per_batch - r0 * K
-        acc += tl.load(contrib_ptr + src[:, None] * D + ds[None, :], mask=ok[:, None] & tile, other=0.0)
+        acc += tl.load(contrib_ptr + (start + i)[:, None] * D + ds[None, :], mask=ok[:, None] & tile, other=0.0)
         i += 1
     tl.store(dkx_ptr + p[:, None] * D + ds[None, :], acc, mask=tile)
 
@@ -187,9 +191,10 @@ def _masked_grad(grad_values: Tensor, indices: Tensor, vis: Visibility, S: int) 
 
 
 def _pick_order(idx: Tensor, g0: int, group_rows: int, rows: int, S: int) -> tuple[Tensor, Tensor]:
-    """Stable order of the picks of rows [g0, g0 + group_rows) by (chunk of ``rows`` rows, key b * S + s),
-    and each (chunk, key)'s [start, end) in it: one sort for several chunks, no host sync. Inside a
-    segment the picks keep their (b, row, j) order, as one sort per chunk gave."""
+    """Where each pick of rows [g0, g0 + group_rows) goes in the stable order by (chunk of ``rows`` rows,
+    key b * S + s), as [B, group_rows, K] places, and each (chunk, key)'s [start, end) in that order:
+    one sort for several chunks, no host sync. Inside a segment the picks keep their (b, row, j)
+    order, as one sort per chunk gave."""
     B, _, K = idx.shape
     n = B * S
     chunks = triton.cdiv(group_rows, rows)
@@ -197,15 +202,19 @@ def _pick_order(idx: Tensor, g0: int, group_rows: int, rows: int, S: int) -> tup
     dev = idx.device
     base = ((torch.arange(group_rows, device=dev, dtype=dtype) // rows) * n).view(1, group_rows, 1)
     base = base + (torch.arange(B, device=dev, dtype=dtype) * S).view(B, 1, 1)
-    keys = idx[:, g0:g0 + group_rows].to(dtype) + base
-    sorted_keys, perm = torch.sort(keys.reshape(-1), stable=True)
+    keys = (idx[:, g0:g0 + group_rows].to(dtype) + base).reshape(-1)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    small = keys.numel() < 2**31
+    place = torch.empty_like(perm, dtype=torch.int32 if small else torch.int64)
+    place.scatter_(0, perm, torch.arange(keys.numel(), device=dev, dtype=place.dtype))
     edges = torch.arange(chunks * n + 1, device=dev, dtype=dtype)
-    return perm, torch.searchsorted(sorted_keys, edges, out_int32=keys.numel() < 2**31)
+    return place, torch.searchsorted(sorted_keys, edges, out_int32=small)
 
 
 def _group_chunks(B: int, rows: int, K: int, S: int) -> int:
-    """Chunks ordered by one sort: as many as keep the ordering's bytes (keys, sorted keys and int64
-    order per pick; edges and bounds per chunk and key) under the contribution buffer's."""
+    """Chunks ordered by one sort: as many as keep the ordering's bytes (keys, sorted keys, int64 order,
+    places and their arange per pick; edges and bounds per chunk and key) under the contribution
+    buffer's."""
     return max(1, _CONTRIB_BYTES // (24 * B * rows * K + 16 * B * S))
 
 
@@ -238,11 +247,13 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
     rows = T if use_atomics else max(1, min(T, _CONTRIB_BYTES // max(1, B * K * D * 4)))
     group_rows = rows * _group_chunks(B, rows, K, S)
     contrib = dkx if use_atomics else torch.empty(B * rows * K * D, dtype=torch.float32, device=q.device)
+    place = seg = idx  # the atomic path writes no contributions (unused pointers)
+    g0 = G = 0
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
         if not use_atomics and t0 % group_rows == 0:  # the next group's order (keys never leave the device)
             g0, G = t0, min(group_rows, T - t0)
-            perm, seg = _pick_order(idx, g0, G, rows, S)
+            place, seg = _pick_order(idx, g0, G, rows, S)
         P = _slices(B * R, K, BK, per_sm, q.device)
         slice_picks = triton.cdiv(triton.cdiv(K, P), BK) * BK
         P = triton.cdiv(K, slice_picks)
@@ -252,8 +263,9 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
             dq_out = torch.empty(P, B, R, H, D, dtype=torch.float32, device=q.device)
             dw_out = torch.empty(P, B, R, H, dtype=torch.float32, device=q.device) if weights is not None else dq_out
             out_T, out_t0 = R, t0
-        _row_kernel[(B * R, P)](g, qc, kxc, wc, idx, dq_out, dw_out, dkx, contrib, t0, B, R, T, H, S, K, D,
-                                float(scale), slice_picks, out_T, out_t0,
+        seg_base = (t0 - g0) // rows * B * S  # this chunk's bounds in its group's
+        _row_kernel[(B * R, P)](g, qc, kxc, wc, idx, dq_out, dw_out, dkx, contrib, place, seg, t0, B, R, T, H, S,
+                                K, D, float(scale), slice_picks, out_T, out_t0, seg_base, g0, G,
                                 HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
                                 PREC=precision(qc.dtype), BH=BH, BK=BK, BD=BD,
                                 num_warps=warps, num_stages=stages)
@@ -262,9 +274,8 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
             if weights is not None:
                 dw[:, t0:t0 + R] = dw_out.sum(0)
         if not use_atomics:
-            r0 = t0 - g0  # this chunk's first row in its group; its bounds start at chunk * B * S
-            _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS),)](contrib, perm, seg, dkx, B * S, D, r0 // rows * B * S,
-                                                                 G, K, R, r0, BD=BD, BKEY=SEGMENT_KEYS)
+            _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS),)](contrib, seg, dkx, B * S, D, seg_base, BD=BD,
+                                                                 BKEY=SEGMENT_KEYS)
     return _finish(dq, dkx, dw, q, kx, weights)
 
 
