@@ -309,23 +309,48 @@ def _recover(pb: _Problem, k: int, nflag: Tensor, rows: Tensor, buf: Tensor, wid
     ecnt = torch.zeros(R + 1, dtype=torch.int32, device=dev)  # the last one: the grid barrier's counter
     split = max(1, min(cdiv(pb.S, pb.tile.bs), _programs(dev) // 2))
     items = cdiv(R, pb.tile.bt) * split
-    one_launch = RECOVER_ONE_LAUNCH and dev.type == "cuda" and not interpreting()
-    # One launch waits at grid barriers, so every program must be resident at once: no more programs
-    # than half the SMs (a process limited to part of the GPU, e.g. by MPS, still holds them all).
-    most = max(1, torch.cuda.get_device_properties(dev).multi_processor_count // 2) if one_launch else _programs(dev)
-    nprog = max(1, min(items, most))
-    per_prog = cdiv(items, nprog)
     fk, fb = fill_key(pb.fill), fill_bits(pb.fill)
-    for p in range(1 if one_launch else PASSES + 1):
-        pb.launch(recover_kernel, (nprog,), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, nflag, rows, counts, ecnt, buf,
+
+    def launch(grid: int, p: int, one_launch: bool, **extra) -> None:
+        pb.launch(recover_kernel, (grid,), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, nflag, rows, counts, ecnt, buf,
                   pb.mask, pb.bias, ecnt[R:], pb.B, pb.T, pb.S, pb.H, k, pb.scale, pb.fill, fk, fb, width, R, p,
-                  nprog, split, per_prog, EMIT=p == PASSES, ALL_PASSES=one_launch, NPASS=PASSES)
+                  grid, split, cdiv(items, grid), EMIT=p == PASSES, ALL_PASSES=one_launch, NPASS=PASSES, **extra)
+
+    if RECOVER_ONE_LAUNCH and dev.type == "cuda" and not interpreting():
+        # One launch waits at grid barriers, so every program must be resident at once.
+        for grid, cooperative in _one_launch_grids(dev):
+            try:
+                launch(min(items, grid), 0, True, **({"launch_cooperative_grid": True} if cooperative else {}))
+                return
+            except RuntimeError:  # a cooperative grid the device cannot hold: the next, smaller one
+                _one_launch_failed.add((dev, grid, cooperative))
+    nprog = max(1, min(items, _programs(dev)))
+    for p in range(PASSES + 1):
+        launch(nprog, p, False)
+
+
+def _one_launch_grids(dev: torch.device) -> list[tuple[int, bool]]:
+    """(programs, cooperative) to try for the one-launch recovery, in order: RECOVER_PROGRAMS_PER_SM per
+    SM as a cooperative launch (the driver refuses a grid it cannot keep resident, where a plain launch
+    would deadlock at the first barrier); one per SM, cooperative; at last a plain launch on half the
+    SMs (a process limited to part of the GPU still holds them all). A grid refused once is skipped
+    after, for every kernel variant (a refusal depends on the variant's registers: conservative)."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    grids = [(sms * RECOVER_PROGRAMS_PER_SM, True), (sms, True)] if RECOVER_COOPERATIVE else []
+    return [g for g in grids if (dev, *g) not in _one_launch_failed] + [(max(1, sms // 2), False)]
+
+
+_one_launch_failed: set[tuple[torch.device, int, bool]] = set()
 
 
 # Recovery in one launch on CUDA (all passes, grid barriers between them) instead of PASSES + 1 launches:
 # the launches were most of a small training step's host time. False goes back to one launch per pass
 # (for a GPU shared so that half its SMs cannot hold one program each at once).
 RECOVER_ONE_LAUNCH = True
+# The one launch as a cooperative launch of RECOVER_PROGRAMS_PER_SM programs per SM: a heavy recovery
+# (past 64 flagged rows) then has the programs of a full wave, not one per SM on half of them.
+RECOVER_COOPERATIVE = True
+RECOVER_PROGRAMS_PER_SM = 2
 
 
 def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scale: float, relu: bool,
