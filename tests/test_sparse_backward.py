@@ -180,10 +180,13 @@ def test_triton_row_slices_and_chunks(deterministic, weights, monkeypatch):
         _close(a, b, 1e-6)
 
 
-@pytest.mark.parametrize("chunks_per_sort", [1, 2, 3])
-def test_triton_deterministic_same_bits_however_rows_are_chunked_and_sorted(chunks_per_sort, monkeypatch):
-    """Rows in chunks of 3 (3, 3, 1 over T=7, two batches), one sort ordering 1, 2 or all 3 chunks: each key
-    still adds its picks in (row, pick) order, so dkx has the bits of one unchunked call."""
+@pytest.mark.parametrize("int64_keys", [False, True])
+@pytest.mark.parametrize("chunks_per_sort", [1, 2, 3, None])
+def test_triton_deterministic_same_bits_however_rows_are_chunked_and_sorted(chunks_per_sort, int64_keys,
+                                                                             monkeypatch):
+    """Rows in chunks of 3 (3, 3, 1 over T=7, two batches), one sort ordering 1, 2 or all 3 chunks (None:
+    the default rule, given room for two), keys and places in int32 or int64: each key still adds its
+    picks in (row, pick) order, so dkx has the bits of one unchunked call."""
     from hyscale_compile.runtime import sparse_backward as sb
 
     q, kx, w, gv = _problem(B=2, T=7, K=40, S=61, device=DEVICE, seed=5)
@@ -191,7 +194,13 @@ def test_triton_deterministic_same_bits_however_rows_are_chunked_and_sorted(chun
     _, idx = reference.select(q, kx, w, 40, 0.7, True, vis, float("-inf"))
     whole = _triton(gv, q, kx, w, idx, 0.7, True, vis, True)
     monkeypatch.setattr(sb, "_CONTRIB_BYTES", 2 * 3 * 40 * 8 * 4)  # 3 rows of both batches per chunk
-    monkeypatch.setattr(sb, "_group_chunks", lambda B, rows, K, S: chunks_per_sort)
+    if chunks_per_sort is None:  # the default rule, with room for two chunks per sort: groups of 2 and 1
+        monkeypatch.setattr(sb, "_ORDER_BYTES", 2 * (sb._ORDER_BYTES_PER_PICK * 2 * 3 * 40 + 16 * 2 * 61))
+        assert sb._group_chunks(2, 3, 40, 61) == 2
+    else:
+        monkeypatch.setattr(sb, "_group_chunks", lambda B, rows, K, S: chunks_per_sort)
+    if int64_keys:
+        monkeypatch.setattr(sb, "_INT32_KEYS_BELOW", 0)
     chunked = _triton(gv, q, kx, w, idx, 0.7, True, vis, True)
     for a, b in zip(chunked, whole):
         assert torch.equal(a, b)

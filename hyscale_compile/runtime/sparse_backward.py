@@ -35,6 +35,11 @@ PREFER_DETERMINISTIC = True
 # Upper bound on the fp32 contribution buffer of the deterministic path; rows go in chunks under it
 # (at 1 GiB it set the step's peak memory on the H200; each chunk costs a sort and three launches).
 _CONTRIB_BYTES = 1 << 29
+# Upper bound on the scratch of one sort that orders the picks of several chunks (keys, sorted keys,
+# order, the sort's own buffers, places), beside the contribution buffer.
+_ORDER_BYTES = 1 << 28
+_ORDER_BYTES_PER_PICK = 40
+_INT32_KEYS_BELOW = 2**31  # sort keys and places in int32 below this (tests lower it to take int64)
 
 SEGMENT_KEYS = 16  # key positions per program of the deterministic dkx reduction
 
@@ -198,13 +203,13 @@ def _pick_order(idx: Tensor, g0: int, group_rows: int, rows: int, S: int) -> tup
     B, _, K = idx.shape
     n = B * S
     chunks = triton.cdiv(group_rows, rows)
-    dtype = torch.int32 if chunks * n < 2**31 else torch.int64  # a radix sort of half the passes
+    dtype = torch.int32 if chunks * n < _INT32_KEYS_BELOW else torch.int64  # a radix sort of half the passes
     dev = idx.device
     base = ((torch.arange(group_rows, device=dev, dtype=dtype) // rows) * n).view(1, group_rows, 1)
     base = base + (torch.arange(B, device=dev, dtype=dtype) * S).view(B, 1, 1)
     keys = (idx[:, g0:g0 + group_rows].to(dtype) + base).reshape(-1)
     sorted_keys, perm = torch.sort(keys, stable=True)
-    small = keys.numel() < 2**31
+    small = keys.numel() < _INT32_KEYS_BELOW
     place = torch.empty_like(perm, dtype=torch.int32 if small else torch.int64)
     place.scatter_(0, perm, torch.arange(keys.numel(), device=dev, dtype=place.dtype))
     edges = torch.arange(chunks * n + 1, device=dev, dtype=dtype)
@@ -212,10 +217,9 @@ def _pick_order(idx: Tensor, g0: int, group_rows: int, rows: int, S: int) -> tup
 
 
 def _group_chunks(B: int, rows: int, K: int, S: int) -> int:
-    """Chunks ordered by one sort: as many as keep the ordering's bytes (keys, sorted keys, int64 order,
-    places and their arange per pick; edges and bounds per chunk and key) under the contribution
-    buffer's."""
-    return max(1, _CONTRIB_BYTES // (24 * B * rows * K + 16 * B * S))
+    """Chunks ordered by one sort: as many as keep its scratch (per pick; and edges and bounds per chunk
+    and key) under _ORDER_BYTES."""
+    return max(1, _ORDER_BYTES // (_ORDER_BYTES_PER_PICK * B * rows * K + 16 * B * S))
 
 
 def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
