@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import score_tile, stats
-from .check_kernels import check_block, check_kernel
+from .check_kernels import check_block, check_kernel, check_warps
 from .dispatch import interpreting
 from .filter_kernels import (
     MODE_FILTER,
@@ -230,8 +230,9 @@ def candidates(pb: _Problem, k: int) -> tuple[Tensor, tuple[Tensor, int]]:
     used = torch.empty(R, dtype=torch.int32, device=pb.device)
     rows = torch.empty(R + 1, dtype=torch.int64, device=pb.device)
     nflag = torch.empty(1, dtype=torch.int32, device=pb.device)
+    block = check_block(R)
     check_kernel[(1,)](cnt, thr, pb.lo, pb.hi, used, rows, nflag, stats.counters(pb.device), R, pb.S, k, cap,
-                       fill_key(pb.fill), stats.FALLBACK_ROWS, BLOCK=check_block(R), num_warps=4)
+                       fill_key(pb.fill), stats.FALLBACK_ROWS, BLOCK=block, num_warps=check_warps(block))
     _recover(pb, k, nflag, rows, buf, buf.shape[1])
     return buf, (used, cap)
 
@@ -311,22 +312,40 @@ def _recover(pb: _Problem, k: int, nflag: Tensor, rows: Tensor, buf: Tensor, wid
     items = cdiv(R, pb.tile.bt) * split
     fk, fb = fill_key(pb.fill), fill_bits(pb.fill)
 
-    def launch(grid: int, p: int, one_launch: bool, **extra) -> None:
+    def launch(grid: int, p: int, all_passes: bool, **extra) -> None:
         pb.launch(recover_kernel, (grid,), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, nflag, rows, counts, ecnt, buf,
                   pb.mask, pb.bias, ecnt[R:], pb.B, pb.T, pb.S, pb.H, k, pb.scale, pb.fill, fk, fb, width, R, p,
-                  grid, split, cdiv(items, grid), EMIT=p == PASSES, ALL_PASSES=one_launch, NPASS=PASSES, **extra)
+                  grid, split, cdiv(items, grid), EMIT=p == PASSES, ALL_PASSES=all_passes, NPASS=PASSES, **extra)
 
     if RECOVER_ONE_LAUNCH and dev.type == "cuda" and not interpreting():
-        # One launch waits at grid barriers, so every program must be resident at once.
-        for grid, cooperative in _one_launch_grids(dev):
-            try:
-                launch(min(items, grid), 0, True, **({"launch_cooperative_grid": True} if cooperative else {}))
-                return
-            except RuntimeError:  # a cooperative grid the device cannot hold: the next, smaller one
-                _one_launch_failed.add((dev, grid, cooperative))
+        variant = (dev, tuple(sorted(pb.consts.items())), dataclasses.astuple(pb.tile))
+        if launch_once(launch, variant, _one_launch_grids(dev), items, torch.cuda.is_current_stream_capturing()):
+            return
     nprog = max(1, min(items, _programs(dev)))
     for p in range(PASSES + 1):
         launch(nprog, p, False)
+
+
+def launch_once(launch, variant: tuple, grids: list[tuple[int, bool]], items: int, capturing: bool) -> bool:
+    """Run the recovery as one launch on the first grid of ``grids`` ((programs, cooperative)) the device
+    takes: a cooperative grid it cannot keep resident is refused with an error that names the
+    cooperative launch, and the next is tried; any other error is raised. While a CUDA graph is
+    being captured, a refusal would break the capture, so only grids this kernel variant ran on
+    before, or plain ones, are tried. True once a launch ran."""
+    for grid, cooperative in grids:
+        key = (variant, grid, cooperative)
+        if capturing and cooperative and key not in _one_launch_ran:
+            continue
+        try:
+            launch(min(items, grid), 0, True, **({"launch_cooperative_grid": True} if cooperative else {}))
+        except RuntimeError as e:
+            if not cooperative or "cooperative" not in str(e).lower():
+                raise
+            _one_launch_failed.add((variant[0], grid, cooperative))
+            continue
+        _one_launch_ran.add(key)
+        return True
+    return False
 
 
 def _one_launch_grids(dev: torch.device) -> list[tuple[int, bool]]:
@@ -340,7 +359,8 @@ def _one_launch_grids(dev: torch.device) -> list[tuple[int, bool]]:
     return [g for g in grids if (dev, *g) not in _one_launch_failed] + [(max(1, sms // 2), False)]
 
 
-_one_launch_failed: set[tuple[torch.device, int, bool]] = set()
+_one_launch_failed: set[tuple[torch.device, int, bool]] = set()  # (device, programs, cooperative) refused
+_one_launch_ran: set[tuple] = set()  # ((device, constexprs, tile), programs, cooperative) that ran
 
 
 # Recovery in one launch on CUDA (all passes, grid barriers between them) instead of PASSES + 1 launches:

@@ -24,3 +24,54 @@ def test_grids_cooperative_first_then_half_the_sms(monkeypatch):
     assert hytopk._one_launch_grids(torch.device("cuda", 6))[0] == (20, True)  # per device
     monkeypatch.setattr(hytopk, "RECOVER_COOPERATIVE", False)
     assert hytopk._one_launch_grids(dev) == [(5, False)]  # the plain launch is always the last resort
+
+
+class _Device:
+    """A stand-in launch: refuses cooperative grids above ``most`` programs as the CUDA driver does."""
+
+    def __init__(self, most: int, other_error: str | None = None):
+        self.most, self.other_error, self.ran = most, other_error, []
+
+    def __call__(self, grid, p, all_passes, launch_cooperative_grid=False):
+        if self.other_error:
+            raise RuntimeError(self.other_error)
+        if launch_cooperative_grid and grid > self.most:
+            raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+        self.ran.append((grid, launch_cooperative_grid))
+
+
+def test_launch_once_takes_the_first_grid_the_device_holds(monkeypatch):
+    monkeypatch.setattr(hytopk, "_one_launch_failed", set())
+    monkeypatch.setattr(hytopk, "_one_launch_ran", set())
+    dev = torch.device("cuda", 0)
+    grids = [(20, True), (10, True), (5, False)]
+    device = _Device(most=12)
+    assert hytopk.launch_once(device, (dev, "v"), grids, items=1000, capturing=False)
+    assert device.ran == [(10, True)]  # 20 refused, 10 cooperative ran
+    assert (dev, 20, True) in hytopk._one_launch_failed
+    few = _Device(most=12)
+    assert hytopk.launch_once(few, (dev, "v"), grids, items=3, capturing=False)
+    assert few.ran == [(3, True)]  # never more programs than work items
+
+
+def test_launch_once_while_capturing_tries_only_grids_that_ran(monkeypatch):
+    monkeypatch.setattr(hytopk, "_one_launch_failed", set())
+    monkeypatch.setattr(hytopk, "_one_launch_ran", set())
+    dev = torch.device("cuda", 0)
+    grids = [(20, True), (5, False)]
+    device = _Device(most=100)
+    assert hytopk.launch_once(device, (dev, "v"), grids, items=1000, capturing=True)
+    assert device.ran == [(5, False)]  # no cooperative grid ran for this variant yet: the plain one
+    assert hytopk.launch_once(device, (dev, "v"), grids, items=1000, capturing=False)
+    assert hytopk.launch_once(device, (dev, "v"), grids, items=1000, capturing=True)
+    assert device.ran[1:] == [(20, True), (20, True)]  # known to run: used inside the capture too
+    assert hytopk.launch_once(device, (dev, "w"), grids, items=1000, capturing=True)
+    assert device.ran[-1] == (5, False)  # another variant (other registers) has not run cooperatively
+
+
+def test_launch_once_raises_other_errors():
+    import pytest
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        hytopk.launch_once(_Device(most=100, other_error="Triton Error [CUDA]: an illegal memory access"),
+                           (torch.device("cuda", 0), "v"), [(20, True), (5, False)], items=1000, capturing=False)
