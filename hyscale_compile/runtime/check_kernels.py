@@ -57,13 +57,19 @@ def check_kernel(cnt_ptr, thr_ptr, lo_ptr, hi_ptr, used_ptr, rows_ptr, nflag_ptr
 
 
 def check_block(R: int) -> int:
-    """Rows per step of the scan: one step for most calls, at most 1024 rows at a time."""
-    return min(1024, max(16, triton.next_power_of_2(R)))
+    """Rows per step of the scan: one step up to 4096 rows; a long prefill (R = B * T past that) takes
+    R / 4096 dependent steps, a few microseconds each."""
+    return min(4096, max(16, triton.next_power_of_2(R)))
+
+
+def check_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8
 
 
 def check_reference(cnt: Tensor, thr: Tensor, lo: Tensor, hi: Tensor, S: int, k: int, cap: int,
                     fill_key: int) -> tuple[Tensor, Tensor, int, int]:
-    """Plain torch twin of check_kernel: (used, flagged rows in row order, nflag, kept candidates)."""
+    """Plain torch twin of check_kernel, the formulas of the torch ops it replaced: (used, flagged rows in
+    row order, nflag, kept candidates)."""
     ext = torch.where(thr.long() <= fill_key, (S - (hi - lo)).clamp(max=k), torch.zeros_like(lo))
     flag = (cnt > cap) | (cnt.long() + ext < k)
     used = torch.where(flag, min(k, cap), cnt.clamp(max=cap)).to(torch.int32)

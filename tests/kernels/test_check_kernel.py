@@ -1,4 +1,5 @@
-"""HyTopK's check stage (one program over all rows) against its plain torch twin.
+"""HyTopK's check stage (one program over all rows) against its plain torch twin, which keeps the
+formulas of the torch ops the kernel replaced.
 
 Small blocks make the program scan the rows in many steps, so the carried count of flagged rows
 is exercised; the rows mix every reason to flag and not to flag. Runs natively on a GPU too.
@@ -24,7 +25,7 @@ def _rows(R: int, S: int, k: int, cap: int, seed: int):
     return [t.to(DEV) for t in (cnt, thr, lo.contiguous(), hi.contiguous())]
 
 
-@pytest.mark.parametrize("R,block", [(1, 16), (37, 16), (2500, 64), (300, 1024)])
+@pytest.mark.parametrize("R,block", [(1, 16), (37, 16), (2500, 64), (300, 1024), (5000, 4096)])
 def test_check_kernel_matches_reference(R, block):
     S, k, cap, fill_key = 500, 40, 64, 0
     cnt, thr, lo, hi = _rows(R, S, k, cap, seed=R)
@@ -32,7 +33,8 @@ def test_check_kernel_matches_reference(R, block):
     rows = torch.full((R + 1,), -7, dtype=torch.int64, device=DEV)
     nflag = torch.full((1,), -7, dtype=torch.int32, device=DEV)
     counters = torch.tensor([3, 100, 5, 1, 900], dtype=torch.int64, device=DEV)  # added to, not overwritten
-    ck.check_kernel[(1,)](cnt, thr, lo, hi, used, rows, nflag, counters, R, S, k, cap, fill_key, 2, BLOCK=block)
+    ck.check_kernel[(1,)](cnt, thr, lo, hi, used, rows, nflag, counters, R, S, k, cap, fill_key, 2, BLOCK=block,
+                          num_warps=ck.check_warps(block))
     want_used, want_rows, want_n, want_kept = ck.check_reference(cnt, thr, lo, hi, S, k, cap, fill_key)
     assert torch.equal(used, want_used)
     assert int(nflag) == want_n
@@ -45,4 +47,4 @@ def test_check_kernel_matches_reference(R, block):
 def test_check_block_bounds():
     assert ck.check_block(1) == 16
     assert ck.check_block(300) == 512
-    assert ck.check_block(10**6) == 1024
+    assert ck.check_block(10**6) == 4096
