@@ -8,7 +8,9 @@ recovery), ``heavy`` (every row zero: the fallback). Each case runs the recovery
 cooperative launch (the default on CUDA: grid barriers between passes, ``RECOVER_PROGRAMS_PER_SM``
 programs per SM), in one plain launch on half the SMs (``RECOVER_COOPERATIVE = False``), and one
 launch per pass (``RECOVER_ONE_LAUNCH = False``); it reports median ms, the rows recovered (runtime
-stats) and whether all three gave the same bits.
+stats) and whether all three gave the same bits, and any cooperative grid the driver refused (then
+the "cooperative" column timed the next grid tried). The smoke run shrinks the candidate buffer so
+that its tiny rows overflow and are recovered.
 
     python benchmarks/recovery.py [--T 2048 --S 65536 --H 16 --k 2048] [--out results/recovery.json]
     TRITON_INTERPRET=1 python benchmarks/recovery.py --smoke     # tiny, on the CPU, prints only
@@ -17,6 +19,7 @@ stats) and whether all three gave the same bits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -33,11 +36,44 @@ import training  # noqa: E402  (write_results)
 
 def bench(fn, device: str) -> float:
     if device != "cuda":
-        fn()
         return float("nan")
     from triton.testing import do_bench
 
     return round(do_bench(fn, warmup=3, rep=50, return_mode="median"), 3)
+
+
+MODES = {"cooperative": (True, True), "half_sms": (True, False), "per_pass": (False, False)}
+
+
+def measure(cases: dict, kx, w, vis, k: int, D: int, device: str) -> list[dict]:
+    """One row per case: each mode's ms and rows recovered, same bits across modes, refused grids."""
+    _, T, H, _ = next(iter(cases.values())).shape
+    S = kx.shape[1]
+    rows = []
+    hytopk._one_launch_failed.clear()
+    old = hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE
+    try:
+        for name, qc in cases.items():
+            row = dict(T=T, S=S, H=H, D=D, k=k, case=name)
+            outs = {}
+            for mode, (one_launch, cooperative) in MODES.items():
+                hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE = one_launch, cooperative
+
+                def run(qc=qc):
+                    return hytopk.select(qc, kx, w, k, D**-0.5, True, vis, float("-inf"))
+
+                stats.reset()
+                outs[mode] = run()
+                row[f"{mode}_rows_recovered"] = stats.read().rows_recovered
+                row[f"{mode}_ms"] = bench(run, device)
+            first = outs["cooperative"]
+            row["same_bits"] = all(torch.equal(a, b) for out in outs.values() for a, b in zip(out, first))
+            row["cooperative_refused"] = sorted(g for _, g, _ in hytopk._one_launch_failed)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE = old
+    return rows
 
 
 def main() -> None:
@@ -65,29 +101,11 @@ def main() -> None:
     light = q.clone()
     light[:, torch.randperm(T, generator=torch.Generator().manual_seed(1))[: min(32, T)]] = 0
     cases = {"none": q, "light": light, "heavy": torch.zeros_like(q)}
-    rows = []
-    modes = {"cooperative": (True, True), "half_sms": (True, False), "per_pass": (False, False)}
-    old = hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE
-    try:
-        for name, qc in cases.items():
-            row = dict(T=T, S=S, H=H, D=D, k=k, case=name)
-            outs = {}
-            for mode, (one_launch, cooperative) in modes.items():
-                hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE = one_launch, cooperative
-
-                def run(qc=qc):
-                    return hytopk.select(qc, kx, w, k, D**-0.5, True, vis, float("-inf"))
-
-                stats.reset()
-                outs[mode] = run()
-                row["rows_recovered"] = stats.read().rows_recovered
-                row[f"{mode}_ms"] = bench(run, device)
-            first = outs["cooperative"]
-            row["same_bits"] = all(torch.equal(a, b) for out in outs.values() for a, b in zip(out, first))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    finally:
-        hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE = old
+    if args.smoke:  # the interpreter is slow, and its rows all overflow the tiny buffer anyway
+        cases = {"none": q}
+    # the smoke run's rows are short: a tiny buffer makes them overflow, so the recovery runs
+    with hytopk.override(capacity=24) if args.smoke else contextlib.nullcontext():
+        rows = measure(cases, kx, w, vis, k, D, device)
     if not args.smoke and device == "cuda":
         training.write_results(args.out, device, rows)
 
