@@ -28,12 +28,14 @@ from .dispatch import interpreting
 from .reference import Visibility
 from .score_tile import precision
 
-# Deterministic dkx even when the caller allows atomics: the training benchmark measured it faster than
-# the atomic path on the H200 (2.5 vs 3.0 ms at T=2048, S=65536, H=16, k=2048; the rule is <= 1.3x).
+# Deterministic dkx even when the caller allows atomics: it is faster than the atomic path on the H200
+# (kernel time, benchmarks/results/tune_replay_defaults.json, k=2048: 2.08 vs 2.90 ms at T=2048,
+# S=65536, H=16; 4.27 vs 6.41 at T=4096, S=131072; 6.41 vs 9.51 at H=64; the rule is <= 1.3x).
 PREFER_DETERMINISTIC = True
 
 # Upper bound on the fp32 contribution buffer of the deterministic path; rows go in chunks under it
-# (at 1 GiB it set the step's peak memory on the H200; each chunk costs a sort and three launches).
+# (at 1 GiB it set the step's peak memory on the H200; each chunk costs two launches, and each group
+# of chunks one sort).
 _CONTRIB_BYTES = 1 << 29
 # Upper bound on the scratch of one sort that orders the picks of several chunks (keys, sorted keys,
 # order, the sort's own buffers, places), beside the contribution buffer.
