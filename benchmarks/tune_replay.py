@@ -5,9 +5,10 @@ This is the measurement behind the defaults ``hytopk.RESCORE_*`` and ``sparse_ba
 ``PROGRAMS_PER_SM``. For each variant: the median time of a call (triton's do_bench: host gaps
 included when the host is slower than the kernels), the kernels' own time per call (profiler device
 records, ``device_ms``) and a check: rescore must equal select's values bit for bit; a sparse
-backward variant must match the first variant to fp32 rounding and repeat its own bits. Two
-reference rows: ``gather_floor``, a kernel that only gathers the rescore's keys (same blocks, same
-grid) and writes one float per pick, what the rescore's memory traffic alone costs; and the sparse
+backward variant must match the first variant to fp32 rounding and repeat its own bits. Reference
+rows: ``gather_floor``, a kernel that only gathers the rescore's keys and writes one float per pick
+(what the rescore's memory traffic alone costs), at the rescore's own blocks and grid and at shapes
+with more bytes in flight, the fastest being the estimate of the device's gather rate; and the sparse
 backward with float atomics for dkx (the rule: deterministic by default unless it costs more than
 1.3x the atomic one). Shapes are the training benchmark's (k=2048, D=128, bf16, causal, queries
 at the end of the context).
@@ -42,6 +43,9 @@ DEVICE = "cuda"
 
 # (blocks per program, stages): (1, 1) is one 64-key block per program, as before pipelining
 RESCORE_VARIANTS = [(1, 1), (8, 1), (8, 2), (8, 3), (16, 3), (4, 3), (8, 4)]
+# Gather floor shapes (keys per load, loads per program, warps, stages): the rescore's own first.
+GATHER_VARIANTS = [(hytopk.RESCORE_BJ, hytopk.RESCORE_BLOCKS, 4, hytopk.RESCORE_STAGES), (64, 16, 8, 3),
+                   (128, 8, 8, 3), (32, 32, 4, 4), (64, 32, 4, 4), (16, 64, 2, 4)]
 # (row picks, stages, programs per SM; 0: one slice per row, no partial sums; deterministic dkx);
 # None: the default rule (sparse_backward._row_shape). The first is the reference of the others.
 BACKWARD_VARIANTS = [(None, None, None, True), (None, None, None, False), (32, 1, 0, True), (32, 3, 0, True),
@@ -87,23 +91,29 @@ def _gather_floor_kernel(kx_ptr, idx_ptr, out_ptr, K, picks, D: tl.constexpr, BJ
         tl.store(out_ptr + r * K + j, tl.sum(kg.to(tl.float32), axis=1), mask=ok)
 
 
-def gather_floor_row(kx, idx) -> dict:
+def gather_floor_rows(kx, idx) -> list[dict]:
+    """The gather floor at the rescore's own shape (the first variant), then shapes with more bytes in
+    flight (GATHER_VARIANTS): the fastest is the best estimate of this device's gather rate."""
     T = idx.shape[1]
     out = torch.empty(T, K, dtype=torch.float32, device=kx.device)
-    picks = hytopk.RESCORE_BJ * hytopk.RESCORE_BLOCKS
     flat = idx.reshape(T, K).contiguous()
+    rows = []
+    for bj, blocks, warps, stages in GATHER_VARIANTS:
+        picks = bj * blocks
 
-    def run():
-        _gather_floor_kernel[(T, triton.cdiv(K, picks))](kx, flat, out, K, picks, D=D, BJ=hytopk.RESCORE_BJ,
-                                                          num_warps=4, num_stages=hytopk.RESCORE_STAGES)
+        def run(bj=bj, picks=picks, warps=warps, stages=stages):
+            _gather_floor_kernel[(T, triton.cdiv(K, picks))](kx, flat, out, K, picks, D=D, BJ=bj, num_warps=warps,
+                                                              num_stages=stages)
 
-    row = dict(kernel="gather_floor", blocks=hytopk.RESCORE_BLOCKS, stages=hytopk.RESCORE_STAGES)
-    try:
-        row.update(ms=bench(run), device_ms=device_ms(run), bytes_gathered=T * K * D * kx.element_size())
-    except Exception as e:  # a reference row that fails must not lose the rows measured after it
-        row["failed"] = str(e)[:300]
-    print(json.dumps(row), flush=True)
-    return row
+        row = dict(kernel="gather_floor", bj=bj, blocks=blocks, warps=warps, stages=stages)
+        try:
+            run()
+            row.update(ms=bench(run), device_ms=device_ms(run), bytes_gathered=T * K * D * kx.element_size())
+        except Exception as e:  # a reference row that fails must not lose the rows measured after it
+            row["failed"] = str(e)[:300]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def inputs(T: int, S: int, H: int):
@@ -137,9 +147,7 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
             rows.append(row)
     finally:
         hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES = old
-    if DEVICE == "cuda":
-        rows.append(gather_floor_row(kx, idx))
-    return rows
+    return rows + gather_floor_rows(kx, idx)
 
 
 def backward_rows(q, kx, w, vis) -> list[dict]:
@@ -190,9 +198,10 @@ def main() -> None:
                     help="the default rescore and backward (and the atomic one) only, no other variants")
     args = ap.parse_args()
     if args.defaults_only:
-        global RESCORE_VARIANTS, BACKWARD_VARIANTS
+        global RESCORE_VARIANTS, BACKWARD_VARIANTS, GATHER_VARIANTS
         RESCORE_VARIANTS = [(hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES)]
         BACKWARD_VARIANTS = BACKWARD_VARIANTS[:2]
+        GATHER_VARIANTS = GATHER_VARIANTS[:1]
     if args.smoke:
         global SHAPES, D, K, DEVICE
         SHAPES, D, K = [(20, 90, 16), (20, 90, 19)], 32, 24
