@@ -103,14 +103,15 @@ def profiled_rescore_share(shape, D: int, k: int, device: str, dtype) -> float |
     inputs = make_inputs(*shape, D, k, device, dtype)
     fn = make_fn("hyscale", k)
     time_steps(fn, inputs, 1, device)
-    records = device_records(fn, inputs)
+    records = device_records(lambda: fn(*inputs).backward())
     total = sum(us for _, us in records)
     rescore = sum(us for name, us in records if "rescore_kernel" in name)
     return round(rescore / total, 4) if total else None
 
 
-def device_records(fn, inputs) -> list[tuple[str, float]]:
-    """(name, microseconds) of every device record (kernels, memsets, copies) of one profiled CUDA step.
+def device_records(run) -> list[tuple[str, float]]:
+    """(name, microseconds) of every device record (kernels, memsets, copies) of one profiled call of
+    ``run`` (no arguments), on CUDA.
 
     Device records only: summing every profiler row counted each kernel twice (as itself and as its
     launching op's self time), which halved the rescore share reported before.
@@ -118,7 +119,7 @@ def device_records(fn, inputs) -> list[tuple[str, float]]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn(*inputs).backward()
+        run()
         torch.cuda.synchronize()
     return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -62,17 +62,14 @@ def device_ms(fn, reps: int = 5) -> float:
     """Kernel time per call: the profiler's device records of ``reps`` calls (no host gaps)."""
     if DEVICE != "cuda":
         return float("nan")
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def calls():
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
-    total = sum(e.time_range.elapsed_us() for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA)
-    return round(total / reps / 1e3, 3)
+
+    return round(sum(us for _, us in training.device_records(calls)) / reps / 1e3, 3)
 
 
 @triton.jit
