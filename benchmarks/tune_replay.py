@@ -20,6 +20,7 @@ at the end of the context).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -41,8 +42,10 @@ SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H
 D, K = 128, 2048
 DEVICE = "cuda"
 
-# (blocks per program, stages): (1, 1) is one 64-key block per program, as before pipelining
-RESCORE_VARIANTS = [(1, 1), (8, 1), (8, 2), (8, 3), (16, 3), (4, 3), (8, 4)]
+# (blocks per program, stages, most heads per MMA, warps): the default first; at H=64, 16 heads per
+# MMA is the loop over head groups used before all heads went into one MMA
+RESCORE_VARIANTS = [(16, 3, 64, 4), (16, 3, 16, 4), (8, 3, 64, 4), (32, 3, 64, 4), (16, 2, 64, 4), (16, 4, 64, 4),
+                    (16, 3, 64, 8), (8, 3, 64, 8)]
 # Gather floor shapes (keys per load, loads per program, warps, stages): the rescore's own first.
 GATHER_VARIANTS = [(hytopk.RESCORE_BJ, hytopk.RESCORE_BLOCKS, 4, hytopk.RESCORE_STAGES), (64, 16, 8, 3),
                    (128, 8, 8, 3), (32, 32, 4, 4), (64, 32, 4, 4), (16, 64, 2, 4)]
@@ -90,19 +93,23 @@ def _gather_floor_kernel(kx_ptr, idx_ptr, out_ptr, K, picks, D: tl.constexpr, BJ
 
 def gather_floor_rows(kx, idx) -> list[dict]:
     """The gather floor at the rescore's own shape (the first variant), then shapes with more bytes in
-    flight (GATHER_VARIANTS): the fastest is the best estimate of this device's gather rate."""
-    T = idx.shape[1]
+    flight (GATHER_VARIANTS): the fastest is the best estimate of this device's gather rate. Each also
+    with "sequential" positions (pick j of row t reads key (t * K + j) mod S): the same bytes from the
+    same L2-resident keys in order, the rate no gather of these rows can beat."""
+    T, S = idx.shape[1], kx.shape[1]
     out = torch.empty(T, K, dtype=torch.float32, device=kx.device)
-    flat = idx.reshape(T, K).contiguous()
+    patterns = dict(picks=idx.reshape(T, K).contiguous(),
+                    sequential=torch.arange(T * K, device=kx.device).remainder(S).reshape(T, K))
     rows = []
-    for bj, blocks, warps, stages in GATHER_VARIANTS:
+    for (bj, blocks, warps, stages), pattern in itertools.product(GATHER_VARIANTS, patterns):
+        flat = patterns[pattern]
         picks = bj * blocks
 
-        def run(bj=bj, picks=picks, warps=warps, stages=stages):
+        def run(bj=bj, picks=picks, warps=warps, stages=stages, flat=flat):
             _gather_floor_kernel[(T, triton.cdiv(K, picks))](kx, flat, out, K, picks, D=D, BJ=bj, num_warps=warps,
                                                               num_stages=stages)
 
-        row = dict(kernel="gather_floor", bj=bj, blocks=blocks, warps=warps, stages=stages)
+        row = dict(kernel="gather_floor", pattern=pattern, bj=bj, blocks=blocks, warps=warps, stages=stages)
         try:
             run()
             row.update(ms=bench(run), device_ms=device_ms(run), bytes_gathered=T * K * D * kx.element_size())
@@ -125,15 +132,17 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
     scale = D**-0.5
     values, idx = hytopk.select(q, kx, w, K, scale, True, vis, float("-inf"))
     rows = []
-    old = (hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES)
+    old = (hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES, hytopk.RESCORE_MAX_BH, hytopk.RESCORE_WARPS)
     try:
-        for blocks, stages in RESCORE_VARIANTS:
-            hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES = blocks, stages
+        for blocks, stages, max_bh, warps in RESCORE_VARIANTS:
+            hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES, hytopk.RESCORE_MAX_BH, hytopk.RESCORE_WARPS = (
+                blocks, stages, max_bh, warps)
 
             def run():
                 return hytopk.rescore(q, kx, w, idx, scale, True, vis, float("-inf"))
 
-            row = dict(kernel="rescore", blocks=blocks, stages=stages)
+            row = dict(kernel="rescore", blocks=blocks, stages=stages, heads_per_mma=hytopk.rescore_heads_per_mma(
+                q.shape[2]), warps=warps)
             try:
                 out = run()
                 row.update(ms=bench(run), device_ms=device_ms(run),
@@ -143,7 +152,7 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES = old
+        hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES, hytopk.RESCORE_MAX_BH, hytopk.RESCORE_WARPS = old
     return rows + gather_floor_rows(kx, idx)
 
 
@@ -196,7 +205,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.defaults_only:
         global RESCORE_VARIANTS, BACKWARD_VARIANTS, GATHER_VARIANTS
-        RESCORE_VARIANTS = [(hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES)]
+        RESCORE_VARIANTS = RESCORE_VARIANTS[:1]
         BACKWARD_VARIANTS = BACKWARD_VARIANTS[:2]
         GATHER_VARIANTS = GATHER_VARIANTS[:1]
     if args.smoke:

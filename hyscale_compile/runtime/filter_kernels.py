@@ -269,21 +269,25 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
 
 
 @triton.jit
-def _rescore_heads(kg, q_row, w_row, acc, c, sqh, swh, offs_d, d_ok, scale,
+def _load_heads(q_row, c, sqh, offs_d, d_ok, H: tl.constexpr, BH: tl.constexpr):
+    """Heads c .. c+BH-1 of one query row as the [D, BH] operand of the rescore MMA (missing heads 0)."""
+    hh = tl.arange(0, BH)
+    return tl.load(q_row + (c + hh)[None, :] * sqh + offs_d[:, None], mask=(c + hh < H)[None, :] & d_ok[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _rescore_heads(kg, qt, w_row, acc, c, swh, scale,
                    H: tl.constexpr, BH: tl.constexpr, ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr):
     """acc plus heads c .. c+BH-1 of one row against the gathered keys kg: one [BJ, D] x [D, BH] MMA,
     then each head's column moved out by splits (no arithmetic, no cross-thread sums: a where + sum
     per head cost BH times the work and failed triton's pipeliner at H=64) and added with
-    score_tile's step."""
-    hh = tl.arange(0, BH)
-    qt = tl.load(q_row + (c + hh)[None, :] * sqh + offs_d[:, None], mask=(c + hh < H)[None, :] & d_ok[:, None],
-                 other=0.0)
+    score_tile's step, heads in order."""
     if PREC == "upcast":
         s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     else:
         s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
-    tl.static_assert(BH == 16)
-    cols = _columns16(s)
+    cols = _head_columns(s, BH)
     for i in tl.static_range(BH):
         if c + i < H:
             sh = cols[i]
@@ -323,6 +327,42 @@ def _columns16(s):
 
 
 @triton.jit
+def _columns32(s):
+    """The 32 columns of s [M, 32], in order: the even ones and the odd ones, interleaved."""
+    ev, od = _halves(s)
+    e = _columns16(ev)
+    o = _columns16(od)
+    return (e[0], o[0], e[1], o[1], e[2], o[2], e[3], o[3], e[4], o[4], e[5], o[5], e[6], o[6], e[7], o[7],
+            e[8], o[8], e[9], o[9], e[10], o[10], e[11], o[11], e[12], o[12], e[13], o[13], e[14], o[14],
+            e[15], o[15])
+
+
+@triton.jit
+def _columns64(s):
+    """The 64 columns of s [M, 64], in order."""
+    ev, od = _halves(s)
+    e = _columns32(ev)
+    o = _columns32(od)
+    return (e[0], o[0], e[1], o[1], e[2], o[2], e[3], o[3], e[4], o[4], e[5], o[5], e[6], o[6], e[7], o[7],
+            e[8], o[8], e[9], o[9], e[10], o[10], e[11], o[11], e[12], o[12], e[13], o[13], e[14], o[14],
+            e[15], o[15], e[16], o[16], e[17], o[17], e[18], o[18], e[19], o[19], e[20], o[20], e[21],
+            o[21], e[22], o[22], e[23], o[23], e[24], o[24], e[25], o[25], e[26], o[26], e[27], o[27],
+            e[28], o[28], e[29], o[29], e[30], o[30], e[31], o[31])
+
+
+@triton.jit
+def _head_columns(s, BH: tl.constexpr):
+    """The BH (16, 32 or 64) columns of s [M, BH], in order."""
+    tl.static_assert((BH == 16) or (BH == 32) or (BH == 64))
+    if BH == 16:
+        return _columns16(s)
+    elif BH == 32:
+        return _columns32(s)
+    else:
+        return _columns64(s)
+
+
+@triton.jit
 def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_ptr, bias_ptr,
                    T, S, K, scale, fill, picks,
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
@@ -330,15 +370,16 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Values of one query row at ``picks`` given positions, BJ at a time: the gathered keys times the
-    row's heads, BH at a time, in small MMAs ([BJ, D] x [D, BH]), then the heads summed in order with
-    score_tile's per-head step.
+    row's heads in one [BJ, D] x [D, BH] MMA (BH >= H, up to 64; past that a loop over groups of BH
+    heads), then the heads summed in order with score_tile's per-head step.
 
     Each score is the same fp32 dot (16-bit products are exact, accumulated by the tensor core in
     the same k order) followed by the same act + FMA chain as in the filter, so the values equal
     select's bit for bit; the GPU tests check that, and rescore_tile_kernel is the slow cross-check.
     The loop over blocks is software-pipelined (the launch's num_stages), so the dependent index -> key
     loads of the next blocks are in flight during this one's math. H is a constexpr: at H <= BH the head loop
-    unrolls and the block loop is the innermost loop, the one the pipeliner works on.
+    unrolls, the block loop is the innermost loop (the one the pipeliner works on) and the row's q is
+    loaded once. A runtime loop over 16-head groups at H=64 left the block loop unpipelined.
     """
     r = tl.program_id(0).to(tl.int64)  # row b * T + t
     b = r // T
@@ -351,6 +392,10 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     lo = tl.load(lo_ptr + r + one)
     hi = tl.load(hi_ptr + r + one)
     row_ok = one == 0
+    q_row = q_ptr + b * sqb + t * sqt
+    w_row = w_ptr + b * swb + t * swt
+    if H <= BH:  # the row's heads, loaded once for all its blocks
+        q_all = _load_heads(q_row, 0, sqh, offs_d, d_ok, H, BH)
     for j0 in range(j_lo, j_hi, BJ):
         j = j0 + tl.arange(0, BJ)
         j_ok = j < j_hi
@@ -361,12 +406,11 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                      mask=c_ok[:, None] & d_ok[None, :], other=0.0)
         acc = tl.zeros((BJ,), dtype=tl.float32)
         if H <= BH:  # one MMA: unrolled, so the block loop stays the innermost (pipelined) loop
-            acc = _rescore_heads(kg, q_ptr + b * sqb + t * sqt, w_ptr + b * swb + t * swt, acc, 0, sqh, swh,
-                                 offs_d, d_ok, scale, H, BH, ACT, HAS_W, PREC)
-        else:  # a loop over head groups: unrolling them all spilled (H=64 on sm_90)
+            acc = _rescore_heads(kg, q_all, w_row, acc, 0, swh, scale, H, BH, ACT, HAS_W, PREC)
+        else:  # a loop over head groups (H > 64)
             for c in range(0, H, BH):
-                acc = _rescore_heads(kg, q_ptr + b * sqb + t * sqt, w_ptr + b * swb + t * swt, acc, c, sqh, swh,
-                                     offs_d, d_ok, scale, H, BH, ACT, HAS_W, PREC)
+                qt = _load_heads(q_row, c, sqh, offs_d, d_ok, H, BH)
+                acc = _rescore_heads(kg, qt, w_row, acc, c, swh, scale, H, BH, ACT, HAS_W, PREC)
         val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
                              mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
         tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)

@@ -387,18 +387,27 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
         pb.launch(rescore_tile_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx,
                   out, pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
         return out
-    consts = dict(pb.consts, H=pb.H, BJ=RESCORE_BJ, BH=RESCORE_BH)
+    consts = dict(pb.consts, H=pb.H, BJ=RESCORE_BJ, BH=rescore_heads_per_mma(pb.H))
     del consts["BT"], consts["BS"]
     picks = RESCORE_BJ * RESCORE_BLOCKS
     rescore_kernel[(B * T, cdiv(K, picks))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
                                             T, pb.S, K, pb.scale, pb.fill, picks, *pb.strides, **consts,
-                                            num_warps=4, num_stages=RESCORE_STAGES)
+                                            num_warps=RESCORE_WARPS, num_stages=RESCORE_STAGES)
     return out
 
 
 RESCORE_BJ = 64  # gathered keys per MMA of the rescore: the M of one tensor-core tile
-RESCORE_BH = 16  # heads per rescore MMA: the smallest tensor-core N
+RESCORE_MAX_BH = 64  # most heads per rescore MMA (the MMA's N); 16 is the smallest tensor-core N
+
+
+def rescore_heads_per_mma(H: int) -> int:
+    """All heads in one MMA up to RESCORE_MAX_BH: then q is loaded once per program and the block loop
+    stays pipelined (at H=64, four 16-head MMAs in a runtime loop left the key gathers unpipelined)."""
+    return min(RESCORE_MAX_BH, max(16, 1 << (H - 1).bit_length()))
+
+
 # BJ-blocks per rescore program, loaded RESCORE_STAGES ahead of use. benchmarks/tune_replay.py on the
 # H200 (k=2048): 0.57 -> 0.24 ms at T=2048, S=65536, H=16 against one block per program as before.
 RESCORE_BLOCKS = 16
 RESCORE_STAGES = 3
+RESCORE_WARPS = 4

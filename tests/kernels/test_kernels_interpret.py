@@ -177,13 +177,15 @@ def test_negative_scale_relu(weights):
     check(q, kx, w, 7, scale=-0.25, vis=Visibility(causal=True, offset=40))
 
 
-@pytest.mark.parametrize("blocks", [8, 1])
-def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, blocks):
-    """The per-row rescore (small MMAs of 16 heads) against the whole-tile one, at any indices;
-    19 heads: one full chunk of heads and a partial one. One block per program splits the 100
-    picks of a row over two programs, the second with a partial block."""
+@pytest.mark.parametrize("blocks,max_bh,H", [(8, 64, 19), (1, 64, 19), (8, 16, 19), (8, 64, 40)])
+def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, blocks, max_bh, H):
+    """The per-row rescore (one MMA over all heads, padded to 32 or 64; or, with at most 16 heads per
+    MMA, a loop over a full group of heads and a partial one) against the whole-tile one, at any
+    indices. One block per program splits the 100 picks of a row over two programs, the second
+    with a partial block."""
     monkeypatch.setattr(hytopk, "RESCORE_BLOCKS", blocks)
-    q, kx, w = inputs(B=2, T=5, H=19, S=70, seed=17)
+    monkeypatch.setattr(hytopk, "RESCORE_MAX_BH", max_bh)
+    q, kx, w = inputs(B=2, T=5, H=H, S=70, seed=17)
     mask = torch.rand(1, 5, 70, generator=torch.Generator().manual_seed(1)) > 0.3
     vis = Visibility(causal=True, offset=60, mask=mask)
     idx = torch.randint(0, 70, (2, 5, 100))
