@@ -42,10 +42,11 @@ SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H
 D, K = 128, 2048
 DEVICE = "cuda"
 
-# (blocks per program, stages, most heads per MMA, warps): the default first; at H=64, 16 heads per
-# MMA is the loop over head groups used before all heads went into one MMA
-RESCORE_VARIANTS = [(16, 3, 64, 4), (16, 3, 16, 4), (8, 3, 64, 4), (32, 3, 64, 4), (16, 2, 64, 4), (16, 4, 64, 4),
-                    (16, 3, 64, 8), (8, 3, 64, 8)]
+# Overrides of hytopk's RESCORE_* settings, the default ({}) first; at H=64, MAX_BH=16 is the loop over
+# 16-head groups used before all heads went into one MMA.
+RESCORE_VARIANTS = [{}, dict(MAX_BH=16, W_ONCE=False), dict(W_ONCE=False), dict(STAGES=2), dict(STAGES=2, W_ONCE=False),
+                    dict(BJ=128, BLOCKS=8), dict(BJ=128, BLOCKS=8, STAGES=2), dict(BJ=128, BLOCKS=8, WARPS=8),
+                    dict(BLOCKS=8), dict(BLOCKS=32), dict(STAGES=4), dict(WARPS=8)]
 # Gather floor shapes (keys per load, loads per program, warps, stages): the rescore's own first.
 GATHER_VARIANTS = [(hytopk.RESCORE_BJ, hytopk.RESCORE_BLOCKS, 4, hytopk.RESCORE_STAGES), (64, 16, 8, 3),
                    (128, 8, 8, 3), (32, 32, 4, 4), (64, 32, 4, 4), (16, 64, 2, 4)]
@@ -132,17 +133,18 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
     scale = D**-0.5
     values, idx = hytopk.select(q, kx, w, K, scale, True, vis, float("-inf"))
     rows = []
-    old = (hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES, hytopk.RESCORE_MAX_BH, hytopk.RESCORE_WARPS)
+    names = ("BJ", "BLOCKS", "STAGES", "MAX_BH", "WARPS", "W_ONCE")
+    old = {n: getattr(hytopk, "RESCORE_" + n) for n in names}
     try:
-        for blocks, stages, max_bh, warps in RESCORE_VARIANTS:
-            hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES, hytopk.RESCORE_MAX_BH, hytopk.RESCORE_WARPS = (
-                blocks, stages, max_bh, warps)
+        for over in RESCORE_VARIANTS:
+            for n in names:
+                setattr(hytopk, "RESCORE_" + n, over.get(n, old[n]))
 
             def run():
                 return hytopk.rescore(q, kx, w, idx, scale, True, vis, float("-inf"))
 
-            row = dict(kernel="rescore", blocks=blocks, stages=stages, heads_per_mma=hytopk.rescore_heads_per_mma(
-                q.shape[2]), warps=warps)
+            row = dict(kernel="rescore", **{n.lower(): getattr(hytopk, "RESCORE_" + n) for n in names},
+                       heads_per_mma=hytopk.rescore_heads_per_mma(q.shape[2]))
             try:
                 out = run()
                 row.update(ms=bench(run), device_ms=device_ms(run),
@@ -152,7 +154,8 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        hytopk.RESCORE_BLOCKS, hytopk.RESCORE_STAGES, hytopk.RESCORE_MAX_BH, hytopk.RESCORE_WARPS = old
+        for n in names:
+            setattr(hytopk, "RESCORE_" + n, old[n])
     return rows + gather_floor_rows(kx, idx)
 
 

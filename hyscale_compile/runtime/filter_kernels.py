@@ -277,26 +277,42 @@ def _load_heads(q_row, c, sqh, offs_d, d_ok, H: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _rescore_heads(kg, qt, w_row, acc, c, swh, scale,
-                   H: tl.constexpr, BH: tl.constexpr, ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr):
-    """acc plus heads c .. c+BH-1 of one row against the gathered keys kg: one [BJ, D] x [D, BH] MMA,
-    then each head's column moved out by splits (no arithmetic, no cross-thread sums: a where + sum
-    per head cost BH times the work and failed triton's pipeliner at H=64) and added with
-    score_tile's step, heads in order."""
+def _w(w_row, h, swh, H: tl.constexpr):
+    return tl.load(w_row + h * swh, mask=h < H, other=0.0)
+
+
+@triton.jit
+def _weights16(w_row, c, swh, H: tl.constexpr):
+    """Weights of heads c .. c+15 of one row as 16 scalars (0 past H)."""
+    return (_w(w_row, c + 0, swh, H), _w(w_row, c + 1, swh, H), _w(w_row, c + 2, swh, H), _w(w_row, c + 3, swh, H),
+            _w(w_row, c + 4, swh, H), _w(w_row, c + 5, swh, H), _w(w_row, c + 6, swh, H), _w(w_row, c + 7, swh, H),
+            _w(w_row, c + 8, swh, H), _w(w_row, c + 9, swh, H), _w(w_row, c + 10, swh, H), _w(w_row, c + 11, swh, H),
+            _w(w_row, c + 12, swh, H), _w(w_row, c + 13, swh, H), _w(w_row, c + 14, swh, H), _w(w_row, c + 15, swh, H))
+
+
+@triton.jit
+def _row_weights(w_row, swh, H: tl.constexpr, BH: tl.constexpr):
+    """The row's BH head weights as scalars, loaded once per program: loaded per block they were 64
+    uniform loads per thread per 64 keys at H=64, 8x the load instructions of the key gathers."""
+    if BH == 16:
+        return _weights16(w_row, 0, swh, H)
+    elif BH == 32:
+        return _weights16(w_row, 0, swh, H) + _weights16(w_row, 16, swh, H)
+    else:
+        return (_weights16(w_row, 0, swh, H) + _weights16(w_row, 16, swh, H) + _weights16(w_row, 32, swh, H)
+                + _weights16(w_row, 48, swh, H))
+
+
+@triton.jit
+def _head_scores(kg, qt, BH: tl.constexpr, PREC: tl.constexpr):
+    """The BH heads' dots of the gathered keys kg: one [BJ, D] x [D, BH] MMA, each head's column moved
+    out by splits (no arithmetic, no cross-thread sums: a where + sum per head cost BH times the work
+    and failed triton's pipeliner at H=64)."""
     if PREC == "upcast":
         s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     else:
         s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
-    cols = _head_columns(s, BH)
-    for i in tl.static_range(BH):
-        if c + i < H:
-            sh = cols[i]
-            if HAS_W:
-                w = tl.load(w_row + (c + i) * swh)
-            else:
-                w = scale
-            acc = act_fma(sh, w, acc, ACT)
-    return acc
+    return _head_columns(s, BH)
 
 
 @triton.jit
@@ -368,7 +384,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, W_ONCE: tl.constexpr = True):
     """Values of one query row at ``picks`` given positions, BJ at a time: the gathered keys times the
     row's heads in one [BJ, D] x [D, BH] MMA (BH >= H, up to 64; past that a loop over groups of BH
     heads), then the heads summed in order with score_tile's per-head step.
@@ -379,7 +395,8 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     The loop over blocks is software-pipelined (the launch's num_stages), so the dependent index -> key
     loads of the next blocks are in flight during this one's math. H is a constexpr: at H <= BH the head loop
     unrolls, the block loop is the innermost loop (the one the pipeliner works on) and the row's q is
-    loaded once. A runtime loop over 16-head groups at H=64 left the block loop unpipelined.
+    loaded once, its weights too with W_ONCE (64 more registers at H=64). A runtime loop over 16-head
+    groups at H=64 left the block loop unpipelined.
     """
     r = tl.program_id(0).to(tl.int64)  # row b * T + t
     b = r // T
@@ -394,8 +411,10 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     row_ok = one == 0
     q_row = q_ptr + b * sqb + t * sqt
     w_row = w_ptr + b * swb + t * swt
-    if H <= BH:  # the row's heads, loaded once for all its blocks
+    if H <= BH:  # the row's heads and weights, loaded once for all its blocks
         q_all = _load_heads(q_row, 0, sqh, offs_d, d_ok, H, BH)
+        if HAS_W and W_ONCE:
+            w_all = _row_weights(w_row, swh, H, BH)
     for j0 in range(j_lo, j_hi, BJ):
         j = j0 + tl.arange(0, BJ)
         j_ok = j < j_hi
@@ -406,11 +425,21 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                      mask=c_ok[:, None] & d_ok[None, :], other=0.0)
         acc = tl.zeros((BJ,), dtype=tl.float32)
         if H <= BH:  # one MMA: unrolled, so the block loop stays the innermost (pipelined) loop
-            acc = _rescore_heads(kg, q_all, w_row, acc, 0, swh, scale, H, BH, ACT, HAS_W, PREC)
+            sh = _head_scores(kg, q_all, BH, PREC)
+            for i in tl.static_range(H):  # heads in order, score_tile's step
+                if not HAS_W:
+                    w = scale
+                elif W_ONCE:
+                    w = w_all[i]
+                else:
+                    w = tl.load(w_row + i * swh)
+                acc = act_fma(sh[i], w, acc, ACT)
         else:  # a loop over head groups (H > 64)
             for c in range(0, H, BH):
-                qt = _load_heads(q_row, c, sqh, offs_d, d_ok, H, BH)
-                acc = _rescore_heads(kg, qt, w_row, acc, c, swh, scale, H, BH, ACT, HAS_W, PREC)
+                sh = _head_scores(kg, _load_heads(q_row, c, sqh, offs_d, d_ok, H, BH), BH, PREC)
+                for i in tl.static_range(BH):
+                    if c + i < H:
+                        acc = act_fma(sh[i], tl.load(w_row + (c + i) * swh) if HAS_W else scale, acc, ACT)
         val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
                              mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
         tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)

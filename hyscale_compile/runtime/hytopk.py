@@ -387,7 +387,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
         pb.launch(rescore_tile_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx,
                   out, pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
         return out
-    consts = dict(pb.consts, H=pb.H, BJ=RESCORE_BJ, BH=rescore_heads_per_mma(pb.H))
+    consts = dict(pb.consts, H=pb.H, BJ=RESCORE_BJ, BH=rescore_heads_per_mma(pb.H), W_ONCE=RESCORE_W_ONCE)
     del consts["BT"], consts["BS"]
     picks = RESCORE_BJ * RESCORE_BLOCKS
     rescore_kernel[(B * T, cdiv(K, picks))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
@@ -411,3 +411,4 @@ def rescore_heads_per_mma(H: int) -> int:
 RESCORE_BLOCKS = 16
 RESCORE_STAGES = 3
 RESCORE_WARPS = 4
+RESCORE_W_ONCE = True  # the row's head weights loaded once per program, not per block

@@ -177,14 +177,15 @@ def test_negative_scale_relu(weights):
     check(q, kx, w, 7, scale=-0.25, vis=Visibility(causal=True, offset=40))
 
 
-@pytest.mark.parametrize("blocks,max_bh,H", [(8, 64, 19), (1, 64, 19), (8, 16, 19), (8, 64, 40)])
-def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, blocks, max_bh, H):
+@pytest.mark.parametrize("H,over", [(19, {}), (19, dict(BLOCKS=1)), (19, dict(MAX_BH=16)), (40, {}),
+                                    (40, dict(W_ONCE=False)), (19, dict(BJ=32, BLOCKS=2))])
+def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, H, over):
     """The per-row rescore (one MMA over all heads, padded to 32 or 64; or, with at most 16 heads per
     MMA, a loop over a full group of heads and a partial one) against the whole-tile one, at any
     indices. One block per program splits the 100 picks of a row over two programs, the second
     with a partial block."""
-    monkeypatch.setattr(hytopk, "RESCORE_BLOCKS", blocks)
-    monkeypatch.setattr(hytopk, "RESCORE_MAX_BH", max_bh)
+    for name, value in over.items():
+        monkeypatch.setattr(hytopk, "RESCORE_" + name, value)
     q, kx, w = inputs(B=2, T=5, H=H, S=70, seed=17)
     mask = torch.rand(1, 5, 70, generator=torch.Generator().manual_seed(1)) > 0.3
     vis = Visibility(causal=True, offset=60, mask=mask)
