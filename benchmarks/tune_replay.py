@@ -42,11 +42,10 @@ SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H
 D, K = 128, 2048
 DEVICE = "cuda"
 
-# Overrides of hytopk's RESCORE_* settings, the default ({}) first; at H=64, MAX_BH=16 is the loop over
-# 16-head groups used before all heads went into one MMA.
-RESCORE_VARIANTS = [{}, dict(MAX_BH=16, W_ONCE=False), dict(W_ONCE=False), dict(STAGES=2), dict(STAGES=2, W_ONCE=False),
-                    dict(BJ=128, BLOCKS=8), dict(BJ=128, BLOCKS=8, STAGES=2), dict(BJ=128, BLOCKS=8, WARPS=8),
-                    dict(BLOCKS=8), dict(BLOCKS=32), dict(STAGES=4), dict(WARPS=8)]
+# Overrides of hytopk's RESCORE_* settings, the default ({}) first; the second is the rescore before
+# all heads went into one MMA (a loop over 16-head groups at H=64, weights loaded per block).
+RESCORE_VARIANTS = [{}, dict(BJ=64, BLOCKS=16, MAX_BH=16, W_ONCE=False), dict(BJ=64, BLOCKS=16), dict(STAGES=2),
+                    dict(BLOCKS=4), dict(BLOCKS=16), dict(W_ONCE=False), dict(WARPS=8)]
 # Gather floor shapes (keys per load, loads per program, warps, stages): the rescore's own first.
 GATHER_VARIANTS = [(hytopk.RESCORE_BJ, hytopk.RESCORE_BLOCKS, 4, hytopk.RESCORE_STAGES), (64, 16, 8, 3),
                    (128, 8, 8, 3), (32, 32, 4, 4), (64, 32, 4, 4), (16, 64, 2, 4)]
@@ -133,7 +132,7 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
     scale = D**-0.5
     values, idx = hytopk.select(q, kx, w, K, scale, True, vis, float("-inf"))
     rows = []
-    names = ("BJ", "BLOCKS", "STAGES", "MAX_BH", "WARPS", "W_ONCE")
+    names = ("BJ", "BLOCKS", "STAGES", "MAX_BH", "WARPS", "W_ONCE")  # RESCORE_BJ: at most, see rescore_shape
     old = {n: getattr(hytopk, "RESCORE_" + n) for n in names}
     try:
         for over in RESCORE_VARIANTS:

@@ -387,17 +387,24 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
         pb.launch(rescore_tile_kernel, (pb.n_tblk, B, cdiv(K, pb.tile.bs)), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx,
                   out, pb.mask, pb.bias, T, pb.S, pb.H, K, pb.scale, pb.fill)
         return out
-    consts = dict(pb.consts, H=pb.H, BJ=RESCORE_BJ, BH=rescore_heads_per_mma(pb.H), W_ONCE=RESCORE_W_ONCE)
+    bj, bh = rescore_shape(pb.H, pb.consts["BLOCK_D"], pb.kx.element_size(), pb.consts["PREC"])
+    consts = dict(pb.consts, H=pb.H, BJ=bj, BH=bh, W_ONCE=RESCORE_W_ONCE)
     del consts["BT"], consts["BS"]
-    picks = RESCORE_BJ * RESCORE_BLOCKS
+    picks = bj * RESCORE_BLOCKS
     rescore_kernel[(B * T, cdiv(K, picks))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
                                             T, pb.S, K, pb.scale, pb.fill, picks, *pb.strides, **consts,
                                             num_warps=RESCORE_WARPS, num_stages=RESCORE_STAGES)
     return out
 
 
-RESCORE_BJ = 64  # gathered keys per MMA of the rescore: the M of one tensor-core tile
-RESCORE_MAX_BH = 64  # most heads per rescore MMA (the MMA's N); 16 is the smallest tensor-core N
+# Rescore tile: RESCORE_BJ gathered keys x all heads (up to RESCORE_MAX_BH) per MMA, RESCORE_BLOCKS
+# such blocks per program, loaded RESCORE_STAGES ahead of use. benchmarks/tune_replay.py on the H200
+# (k=2048, bf16, D=128; results/tune_replay.json): 128 keys x all heads took 0.186 / 0.365 / 0.668 ms at
+# (2048, 65536, 16) / (4096, 131072, 16) / (4096, 131072, 64), against 0.224 / 0.422 / 1.182 ms for
+# 64 keys x 16-head MMAs with per-block weight loads.
+RESCORE_BJ = 128  # most gathered keys per MMA (its M); fewer where a stage would pass RESCORE_STAGE_BYTES
+RESCORE_STAGE_BYTES = 32768
+RESCORE_MAX_BH = 64  # most heads per MMA (its N); 16 is the smallest tensor-core N
 
 
 def rescore_heads_per_mma(H: int) -> int:
@@ -406,9 +413,15 @@ def rescore_heads_per_mma(H: int) -> int:
     return min(RESCORE_MAX_BH, max(16, 1 << (H - 1).bit_length()))
 
 
-# BJ-blocks per rescore program, loaded RESCORE_STAGES ahead of use. benchmarks/tune_replay.py on the
-# H200 (k=2048): 0.57 -> 0.24 ms at T=2048, S=65536, H=16 against one block per program as before.
-RESCORE_BLOCKS = 16
+def rescore_shape(H: int, block_d: int, elsize: int, prec: str) -> tuple[int, int]:
+    """(keys, heads) per rescore MMA. fp32 operands scored in ieee fp32 go through a CUDA-core dot,
+    where all 64 heads at once spilled (offline sm_90 build): 64 keys x 16 heads, as before."""
+    if elsize == 4 and prec == "ieee":
+        return 64, 16
+    return max(16, min(RESCORE_BJ, RESCORE_STAGE_BYTES // (block_d * elsize))), rescore_heads_per_mma(H)
+
+
+RESCORE_BLOCKS = 8
 RESCORE_STAGES = 3
 RESCORE_WARPS = 4
 RESCORE_W_ONCE = True  # the row's head weights loaded once per program, not per block

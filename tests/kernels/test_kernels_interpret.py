@@ -177,16 +177,18 @@ def test_negative_scale_relu(weights):
     check(q, kx, w, 7, scale=-0.25, vis=Visibility(causal=True, offset=40))
 
 
-@pytest.mark.parametrize("H,over", [(19, {}), (19, dict(BLOCKS=1)), (19, dict(MAX_BH=16)), (40, {}),
-                                    (40, dict(W_ONCE=False)), (19, dict(BJ=32, BLOCKS=2))])
-def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, H, over):
+@pytest.mark.parametrize("H,over,dtype", [(19, {}, torch.bfloat16), (19, dict(BLOCKS=1), torch.bfloat16),
+                                          (19, dict(MAX_BH=16), torch.bfloat16), (40, {}, torch.bfloat16),
+                                          (40, dict(W_ONCE=False), torch.bfloat16),
+                                          (19, dict(BJ=32, BLOCKS=2), torch.bfloat16), (40, {}, torch.float32)])
+def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, H, over, dtype):
     """The per-row rescore (one MMA over all heads, padded to 32 or 64; or, with at most 16 heads per
-    MMA, a loop over a full group of heads and a partial one) against the whole-tile one, at any
-    indices. One block per program splits the 100 picks of a row over two programs, the second
-    with a partial block."""
+    MMA as for ieee fp32 operands, a loop over full groups of heads and a partial one) against the
+    whole-tile one, at any indices. One block per program splits the 100 picks of a row over two
+    programs, the second with a partial block."""
     for name, value in over.items():
         monkeypatch.setattr(hytopk, "RESCORE_" + name, value)
-    q, kx, w = inputs(B=2, T=5, H=H, S=70, seed=17)
+    q, kx, w = inputs(B=2, T=5, H=H, S=70, seed=17, dtype=dtype)
     mask = torch.rand(1, 5, 70, generator=torch.Generator().manual_seed(1)) > 0.3
     vis = Visibility(causal=True, offset=60, mask=mask)
     idx = torch.randint(0, 70, (2, 5, 100))
