@@ -252,7 +252,7 @@ def main() -> None:
             print(f"budget spent: skipping {shape}")
             continue
         T, S, H = shape
-        row = {"T": T, "S": S, "H": H, "D": D, "k": k}
+        row = {"T": T, "S": S, "H": H, "D": D, "k": k, **{key: None for key in MODE_KEYS.values()}}  # None: not run
         peaks = {}
         for mode in modes:
             row[MODE_KEYS[mode]], peaks[mode] = run_mode(mode, shape, D, k, args.iters, device, dtype)
