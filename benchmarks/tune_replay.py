@@ -53,9 +53,6 @@ GATHER_VARIANTS = [(hytopk.RESCORE_BJ, hytopk.RESCORE_BLOCKS, 4, hytopk.RESCORE_
 # None: the default rule (sparse_backward._row_shape). The first is the reference of the others.
 BACKWARD_VARIANTS = [(None, None, None, True), (None, None, None, False), (32, 1, 0, True), (32, 3, 0, True),
                      (32, 3, 8, True), (64, 3, 8, True), (32, 2, 8, True), (32, 3, 16, True), (16, 3, 8, True)]
-# The deterministic dkx's segment kernel at the default row shape: (keys per program, steps of loads
-# issued ahead of their adds). Same bits in every variant; the default first.
-SEGMENT_VARIANTS = [(sb.SEGMENT_KEYS, sb.SEGMENT_AHEAD), (16, 1), (16, 2), (8, 2), (8, 1), (32, 1)]
 
 
 def bench(fn) -> float:
@@ -167,21 +164,17 @@ def backward_rows(q, kx, w, vis) -> list[dict]:
     idx = torch.randint(0, S - T, (1, T, K), device=DEVICE, generator=g)
     gv = torch.randn(1, T, K, device=DEVICE, generator=g)
     rows, first = [], None
-    old = (sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM, sb.PREFER_DETERMINISTIC, sb.SEGMENT_KEYS,
-           sb.SEGMENT_AHEAD)
+    old = (sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM, sb.PREFER_DETERMINISTIC)
     sb.PREFER_DETERMINISTIC = False  # deterministic=False really means float atomics
-    seg0 = SEGMENT_VARIANTS[0]
-    variants = [(*v, *seg0) for v in BACKWARD_VARIANTS] + [(None, None, None, True, *sv) for sv in SEGMENT_VARIANTS[1:]]
     try:
-        for picks, stages, per_sm, det, seg_keys, ahead in variants:
+        for picks, stages, per_sm, det in BACKWARD_VARIANTS:
             sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM = picks, stages, per_sm
-            sb.SEGMENT_KEYS, sb.SEGMENT_AHEAD = seg_keys, ahead
 
             def run(det=det):
                 return sb.sparse_backward(gv, q, kx, w, idx, D**-0.5, True, vis, deterministic=det)
 
             row = dict(kernel="sparse_backward", row_picks=picks, stages=stages, programs_per_sm=per_sm,
-                       dkx="deterministic" if det else "atomic", segment_keys=seg_keys, segment_ahead=ahead)
+                       dkx="deterministic" if det else "atomic")
             try:
                 out = run()
                 again = run()
@@ -200,8 +193,7 @@ def backward_rows(q, kx, w, vis) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        (sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM, sb.PREFER_DETERMINISTIC, sb.SEGMENT_KEYS,
-         sb.SEGMENT_AHEAD) = old
+        sb.ROW_PICKS, sb.ROW_STAGES, sb.PROGRAMS_PER_SM, sb.PREFER_DETERMINISTIC = old
     return rows
 
 
@@ -214,10 +206,9 @@ def main() -> None:
                     help="the default rescore and backward (and the atomic one) only, no other variants")
     args = ap.parse_args()
     if args.defaults_only:
-        global RESCORE_VARIANTS, BACKWARD_VARIANTS, GATHER_VARIANTS, SEGMENT_VARIANTS
+        global RESCORE_VARIANTS, BACKWARD_VARIANTS, GATHER_VARIANTS
         RESCORE_VARIANTS = RESCORE_VARIANTS[:1]
         BACKWARD_VARIANTS = BACKWARD_VARIANTS[:2]
-        SEGMENT_VARIANTS = SEGMENT_VARIANTS[:1]
         GATHER_VARIANTS = GATHER_VARIANTS[:1]
     if args.smoke:
         global SHAPES, D, K, DEVICE

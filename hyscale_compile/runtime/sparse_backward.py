@@ -44,7 +44,6 @@ _ORDER_BYTES_PER_PICK = 40
 _INT32_KEYS_BELOW = 2**31  # sort keys and places in int32 below this (tests lower it to take int64)
 
 SEGMENT_KEYS = 16  # key positions per program of the deterministic dkx reduction
-SEGMENT_AHEAD = 0  # steps of loads issued ahead of their adds (0, 1, 2): more bytes in flight, same bits
 
 # Row program shape: picks per step, steps loaded ahead of use (num_stages), and programs per SM to
 # aim for by splitting each row's picks over slices (0: no slices). A chunk has few rows (the
@@ -160,8 +159,7 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
 
 
 @triton.jit
-def _segment_kernel(contrib_ptr, seg_ptr, dkx_ptr, n_keys, D, seg_base, BD: tl.constexpr, BKEY: tl.constexpr,
-                    AHEAD: tl.constexpr):
+def _segment_kernel(contrib_ptr, seg_ptr, dkx_ptr, n_keys, D, seg_base, BD: tl.constexpr, BKEY: tl.constexpr):
     # BKEY key positions p = b * S + s per program, each adding its picks one after another in their
     # sorted (stable) order: the bits depend only on the picks. One key per program was bound by how
     # fast programs start (a key has T*K/S picks on average, split over the row chunks: a handful).
@@ -177,30 +175,11 @@ def _segment_kernel(contrib_ptr, seg_ptr, dkx_ptr, n_keys, D, seg_base, BD: tl.c
     start -= first
     acc = tl.load(dkx_ptr + p[:, None] * D + ds[None, :], mask=tile, other=0.0)
     n = tl.max(count, axis=0)
-    rows = contrib_ptr + start[:, None] * D + ds[None, :]
-    if AHEAD == 0:
-        i = 0
-        while i < n:
-            acc += tl.load(rows + i * D, mask=(i < count)[:, None] & tile, other=0.0)
-            i += 1
-    elif AHEAD == 1:  # the next step's loads issued before this step's adds, same order of adds
-        nxt = tl.load(rows, mask=(0 < count)[:, None] & tile, other=0.0)
-        i = 0
-        while i < n:
-            cur = nxt
-            nxt = tl.load(rows + (i + 1) * D, mask=(i + 1 < count)[:, None] & tile, other=0.0)
-            acc += cur
-            i += 1
-    else:  # two steps ahead
-        nxt = tl.load(rows, mask=(0 < count)[:, None] & tile, other=0.0)
-        nxt2 = tl.load(rows + D, mask=(1 < count)[:, None] & tile, other=0.0)
-        i = 0
-        while i < n:
-            cur = nxt
-            nxt = nxt2
-            nxt2 = tl.load(rows + (i + 2) * D, mask=(i + 2 < count)[:, None] & tile, other=0.0)
-            acc += cur
-            i += 1
+    i = 0
+    while i < n:
+        ok = i < count
+        acc += tl.load(contrib_ptr + (start + i)[:, None] * D + ds[None, :], mask=ok[:, None] & tile, other=0.0)
+        i += 1
     tl.store(dkx_ptr + p[:, None] * D + ds[None, :], acc, mask=tile)
 
 
@@ -302,7 +281,7 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
                 dw[:, t0:t0 + R] = dw_out.sum(0)
         if not use_atomics:
             _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS),)](contrib, seg, dkx, B * S, D, seg_base, BD=BD,
-                                                                 BKEY=SEGMENT_KEYS, AHEAD=SEGMENT_AHEAD)
+                                                                 BKEY=SEGMENT_KEYS)
     return _finish(dq, dkx, dw, q, kx, weights)
 
 
