@@ -85,10 +85,11 @@ def test_forced_recovery_and_fallback_exact():
 
 
 @pytest.mark.parametrize("dtype,H", [(torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 64),
-                                     (torch.bfloat16, 19)])
+                                     (torch.bfloat16, 19), (torch.bfloat16, 80), (torch.float32, 40)])
 def test_random_near_ties(dtype, H):
     """Random values: near-tie rule against the reference; rescore still bitwise equal to select
-    (at H=16 one MMA per block, unrolled; at 19 and 64 the loop over head groups)."""
+    (one MMA over all heads per block of keys, padded to 16, 32 or 64; at 80 heads a loop over groups
+    of 64; ieee fp32 operands a loop over groups of 16)."""
     hytopk, reference, _ = _mods()
     g = torch.Generator(device="cuda").manual_seed(6)
     q = torch.randn(1, 256, H, 128, device="cuda", generator=g).to(dtype)
