@@ -402,7 +402,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
 # (k=2048, bf16, D=128; results/tune_replay.json): 128 keys x all heads took 0.186 / 0.365 / 0.668 ms at
 # (2048, 65536, 16) / (4096, 131072, 16) / (4096, 131072, 64), against 0.224 / 0.422 / 1.182 ms for
 # 64 keys x 16-head MMAs with per-block weight loads.
-RESCORE_BJ = 128  # most gathered keys per MMA (its M); fewer where a stage would pass RESCORE_STAGE_BYTES
+RESCORE_BJ = 128  # most gathered keys per MMA (its M); 64 where a stage would pass RESCORE_STAGE_BYTES
 RESCORE_STAGE_BYTES = 32768
 RESCORE_MAX_BH = 64  # most heads per MMA (its N); 16 is the smallest tensor-core N
 
@@ -415,10 +415,12 @@ def rescore_heads_per_mma(H: int) -> int:
 
 def rescore_shape(H: int, block_d: int, elsize: int, prec: str) -> tuple[int, int]:
     """(keys, heads) per rescore MMA. fp32 operands scored in ieee fp32 go through a CUDA-core dot,
-    where all 64 heads at once spilled (offline sm_90 build): 64 keys x 16 heads, as before."""
+    where all 64 heads at once spilled (offline sm_90 build): 64 keys x 16 heads, as before. Never
+    fewer than 64 keys: below a warpgroup's M the MMA is another instruction (mma.sync, not wgmma)
+    than select's tiles use, and nothing promises the same bits from both."""
     if elsize == 4 and prec == "ieee":
         return 64, 16
-    return max(16, min(RESCORE_BJ, RESCORE_STAGE_BYTES // (block_d * elsize))), rescore_heads_per_mma(H)
+    return max(64, min(RESCORE_BJ, RESCORE_STAGE_BYTES // (block_d * elsize))), rescore_heads_per_mma(H)
 
 
 RESCORE_BLOCKS = 8

@@ -177,18 +177,24 @@ def test_negative_scale_relu(weights):
     check(q, kx, w, 7, scale=-0.25, vis=Visibility(causal=True, offset=40))
 
 
-@pytest.mark.parametrize("H,over,dtype", [(19, {}, torch.bfloat16), (19, dict(BLOCKS=1), torch.bfloat16),
-                                          (19, dict(MAX_BH=16), torch.bfloat16), (40, {}, torch.bfloat16),
-                                          (40, dict(W_ONCE=False), torch.bfloat16),
-                                          (19, dict(BJ=32, BLOCKS=2), torch.bfloat16), (40, {}, torch.float32)])
-def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, H, over, dtype):
-    """The per-row rescore (one MMA over all heads, padded to 32 or 64; or, with at most 16 heads per
-    MMA as for ieee fp32 operands, a loop over full groups of heads and a partial one) against the
-    whole-tile one, at any indices. One block per program splits the 100 picks of a row over two
-    programs, the second with a partial block."""
+@pytest.mark.parametrize("H,D,over,dtype,weights", [
+    (19, 16, {}, torch.bfloat16, True),  # 32 heads per MMA
+    (40, 16, {}, torch.bfloat16, True),  # 64 heads per MMA
+    (40, 16, dict(W_ONCE=False), torch.bfloat16, True),
+    (40, 64, {}, torch.float16, False),  # no weights: every head weighted by the scale
+    (70, 16, {}, torch.bfloat16, True),  # a loop over groups of 64 heads, the second partial
+    (19, 16, dict(MAX_BH=16), torch.bfloat16, True),  # groups of 16
+    (40, 16, {}, torch.float32, True),  # ieee fp32: groups of 16
+    (19, 16, dict(BJ=64, BLOCKS=1), torch.bfloat16, True),  # a row's 100 picks over two programs
+])
+def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, H, D, over, dtype, weights):
+    """The per-row rescore (one MMA over all heads, padded to 32 or 64, or a loop over groups of
+    heads) against the whole-tile one, at any indices. Random fp32 weights make every sum inexact,
+    so a head taken out of order changes the bits (with the exact eighths of ``inputs`` it would not)."""
     for name, value in over.items():
         monkeypatch.setattr(hytopk, "RESCORE_" + name, value)
-    q, kx, w = inputs(B=2, T=5, H=H, S=70, seed=17, dtype=dtype)
+    q, kx, _ = inputs(B=2, T=5, H=H, D=D, S=70, seed=17, dtype=dtype)
+    w = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(2)) if weights else None
     mask = torch.rand(1, 5, 70, generator=torch.Generator().manual_seed(1)) > 0.3
     vis = Visibility(causal=True, offset=60, mask=mask)
     idx = torch.randint(0, 70, (2, 5, 100))
