@@ -177,6 +177,20 @@ def test_negative_scale_relu(weights):
     check(q, kx, w, 7, scale=-0.25, vis=Visibility(causal=True, offset=40))
 
 
+def test_rescore_shape_rule():
+    """Keys x heads per rescore MMA: all heads (padded to 16 / 32 / 64, then groups of 64), 128 keys for
+    16-bit operands at D <= 128, 64 where a stage would pass 32 KB (never fewer: another MMA than
+    select's), and 64 x 16 for fp32 scored in ieee fp32 (a CUDA-core dot)."""
+    shape = hytopk.rescore_shape
+    assert [shape(H, 128, 2, "ieee")[1] for H in (1, 16, 17, 32, 33, 64, 65, 200)] == [16, 16, 32, 32, 64, 64, 64, 64]
+    assert shape(64, 128, 2, "ieee") == (128, 64)
+    assert shape(16, 64, 2, "upcast") == (128, 16)
+    assert shape(16, 256, 2, "ieee") == (64, 16)
+    assert shape(16, 1024, 2, "ieee") == (64, 16)
+    assert shape(64, 128, 4, "tf32") == (64, 64)
+    assert shape(64, 128, 4, "ieee") == (64, 16)
+
+
 @pytest.mark.parametrize("H,D,over,dtype,weights", [
     (19, 16, {}, torch.bfloat16, True),  # 32 heads per MMA
     (40, 16, {}, torch.bfloat16, True),  # 64 heads per MMA
