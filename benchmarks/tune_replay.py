@@ -95,7 +95,7 @@ def gather_floor_rows(kx, idx) -> list[dict]:
     """The gather floor at the rescore's own shape (the first variant), then shapes with more bytes in
     flight (GATHER_VARIANTS): the fastest is the best estimate of this device's gather rate. Each also
     with "sequential" positions (pick j of row t reads key (t * K + j) mod S): the same bytes from the
-    same L2-resident keys in order, the rate no gather of these rows can beat."""
+    same L2-resident keys in order, the estimate of the best rate any gather of these rows reaches."""
     T, S = idx.shape[1], kx.shape[1]
     out = torch.empty(T, K, dtype=torch.float32, device=kx.device)
     patterns = dict(picks=idx.reshape(T, K).contiguous(),
