@@ -277,30 +277,13 @@ def _load_heads(q_row, c, sqh, offs_d, d_ok, H: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _w(w_row, h, swh, H: tl.constexpr):
-    return tl.load(w_row + h * swh, mask=h < H, other=0.0)
-
-
-@triton.jit
-def _weights16(w_row, c, swh, H: tl.constexpr):
-    """Weights of heads c .. c+15 of one row as 16 scalars (0 past H)."""
-    return (_w(w_row, c + 0, swh, H), _w(w_row, c + 1, swh, H), _w(w_row, c + 2, swh, H), _w(w_row, c + 3, swh, H),
-            _w(w_row, c + 4, swh, H), _w(w_row, c + 5, swh, H), _w(w_row, c + 6, swh, H), _w(w_row, c + 7, swh, H),
-            _w(w_row, c + 8, swh, H), _w(w_row, c + 9, swh, H), _w(w_row, c + 10, swh, H), _w(w_row, c + 11, swh, H),
-            _w(w_row, c + 12, swh, H), _w(w_row, c + 13, swh, H), _w(w_row, c + 14, swh, H), _w(w_row, c + 15, swh, H))
-
-
-@triton.jit
 def _row_weights(w_row, swh, H: tl.constexpr, BH: tl.constexpr):
-    """The row's BH head weights as scalars, loaded once per program: loaded per block they were 64
-    uniform loads per thread per 64 keys at H=64, 8x the load instructions of the key gathers."""
-    if BH == 16:
-        return _weights16(w_row, 0, swh, H)
-    elif BH == 32:
-        return _weights16(w_row, 0, swh, H) + _weights16(w_row, 16, swh, H)
-    else:
-        return (_weights16(w_row, 0, swh, H) + _weights16(w_row, 16, swh, H) + _weights16(w_row, 32, swh, H)
-                + _weights16(w_row, 48, swh, H))
+    """The row's BH head weights as scalars (0 past H), loaded once per program: loaded per block they
+    were 64 uniform loads per thread per 64 keys at H=64, 8x the load instructions of the key gathers."""
+    ws = ()
+    for h in tl.static_range(BH):
+        ws = ws + (tl.load(w_row + h * swh, mask=h < H, other=0.0),)
+    return ws
 
 
 @triton.jit
@@ -343,27 +326,26 @@ def _columns16(s):
 
 
 @triton.jit
+def _interleave(e, o, N: tl.constexpr):
+    """(e[0], o[0], e[1], o[1], ...): the columns of s from those of its even and odd halves."""
+    out = ()
+    for i in tl.static_range(N):
+        out = out + (e[i], o[i])
+    return out
+
+
+@triton.jit
 def _columns32(s):
-    """The 32 columns of s [M, 32], in order: the even ones and the odd ones, interleaved."""
+    """The 32 columns of s [M, 32], in order."""
     ev, od = _halves(s)
-    e = _columns16(ev)
-    o = _columns16(od)
-    return (e[0], o[0], e[1], o[1], e[2], o[2], e[3], o[3], e[4], o[4], e[5], o[5], e[6], o[6], e[7], o[7],
-            e[8], o[8], e[9], o[9], e[10], o[10], e[11], o[11], e[12], o[12], e[13], o[13], e[14], o[14],
-            e[15], o[15])
+    return _interleave(_columns16(ev), _columns16(od), 16)
 
 
 @triton.jit
 def _columns64(s):
     """The 64 columns of s [M, 64], in order."""
     ev, od = _halves(s)
-    e = _columns32(ev)
-    o = _columns32(od)
-    return (e[0], o[0], e[1], o[1], e[2], o[2], e[3], o[3], e[4], o[4], e[5], o[5], e[6], o[6], e[7], o[7],
-            e[8], o[8], e[9], o[9], e[10], o[10], e[11], o[11], e[12], o[12], e[13], o[13], e[14], o[14],
-            e[15], o[15], e[16], o[16], e[17], o[17], e[18], o[18], e[19], o[19], e[20], o[20], e[21],
-            o[21], e[22], o[22], e[23], o[23], e[24], o[24], e[25], o[25], e[26], o[26], e[27], o[27],
-            e[28], o[28], e[29], o[29], e[30], o[30], e[31], o[31])
+    return _interleave(_columns32(ev), _columns32(od), 32)
 
 
 @triton.jit
