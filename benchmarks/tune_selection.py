@@ -77,13 +77,13 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
     thr = hytopk.threshold(pb, k, buf, samp, msamp)
     _, cap, _ = hytopk.sizes(k, S)
     row["compare_only_ms"] = bench(lambda: hytopk.filter_rows(pb, thr, buf, cap, MODE_COUNT, sink))
-    for append in (2, 0) if cfg == CONFIGS[0] else (2,):
+    for append in (3, 2, 0) if cfg == CONFIGS[0] else (3,):
         pb.tile = dataclasses.replace(pb.tile, append=append)
         try:
             row[f"filter_append{append}_ms"] = bench(lambda: hytopk.filter_rows(pb, thr, buf, cap))
         except Exception as e:  # a variant that fails to compile is a result too
             row[f"filter_append{append}_ms"] = f"failed: {str(e)[:200]}"
-    pb.tile = dataclasses.replace(pb.tile, append=2)
+    pb.tile = dataclasses.replace(pb.tile, append=score_tile.TILE.append)
     full, used = hytopk.candidates(pb, k)
     row["final_torch_ms"] = bench(lambda: final_select.select_rows_reference(full, k, used))
     row["final_kernel_ms"] = bench(lambda: final_select.select_rows(full, k, used))

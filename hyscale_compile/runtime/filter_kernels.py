@@ -39,7 +39,7 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                  ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
-                 APPEND: tl.constexpr = 1):
+                 APPEND: tl.constexpr = 1, ASM: tl.constexpr = False):
     """FILTER: append (value, position) entries passing the row threshold to the row's buffer.
 
     The threshold is compared as a float (x >= thr, or x is NaN: the order_key order without
@@ -82,12 +82,12 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
                 inside = False
             if inside:  # every entry visible: the score is the value, only the row bound matters
                 sink = _emit(acc, row_ok[:, None], thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, sink,
-                             MODE, APPEND, BT, BS)
+                             MODE, APPEND, ASM, BT, BS)
             else:
                 val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
                                             mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
                 sink = _emit(val, in_range, thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, sink,
-                             MODE, APPEND, BT, BS)
+                             MODE, APPEND, ASM, BT, BS)
     if (MODE == 0) or (MODE == 3):
         pid = (pid_t * tl.num_programs(1) + tl.program_id(1)) * SPLIT + split
         tl.store(out_ptr + pid.to(tl.int64) * BT + tl.arange(0, BT), sink)
@@ -95,10 +95,14 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
 
 @triton.jit
 def _emit(val, ok, thr, cols, rid, row_ok, cnt_ptr, buf_ptr, C, stride, sink,
-          MODE: tl.constexpr, APPEND: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+          MODE: tl.constexpr, APPEND: tl.constexpr, ASM: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
     """Append the entries that are ``ok`` and >= their row's threshold (COUNT mode: count them)."""
     if APPEND == 2 and MODE != 3:  # the PTX append makes the same compare itself
         _append_asm(cnt_ptr, buf_ptr, rid, ok, val, thr, cols, C, stride)
+        return sink
+    if APPEND == 3 and MODE != 3:
+        _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, stride, BT, BS,
+                         ok.shape[1] == 1, ASM)
         return sink
     passed = ok & ((val >= thr[:, None]) | (val != val))
     if MODE == 3:  # the compare without the append (a benchmark diagnostic)
@@ -130,6 +134,114 @@ def _append_atomic(cnt_ptr, buf_ptr, rid, passed, raw, C, stride, BT: tl.constex
     ctr = tl.broadcast_to(cnt_ptr + rid[:, None], (BT, BS))
     slot = tl.atomic_add(ctr, tl.full((BT, BS), 1, tl.int32), mask=passed, sem="relaxed")
     tl.store(buf_ptr + rid[:, None] * stride + slot, raw, mask=passed & (slot < C))
+
+
+@triton.jit
+def _by_thread(x, BT: tl.constexpr, BS: tl.constexpr):
+    """[BT, BS] -> the BS // 4 tensors [BT * 4] of columns 8j + 2i + e (i = 0..3), ordered by j then e.
+
+    On the tensor-core result (an MMA accumulator gives lane i of each quad the columns 8j + 2i + e of
+    its rows) each of them holds one entry per thread and row, so work along the tuple stays in
+    registers: reshapes, a permute and splits only relabel. On any other layout the entries are the
+    same, only moved.
+    """
+    y = tl.permute(tl.reshape(x, (BT, BS // 8, 4, 2)), (0, 2, 1, 3))
+    return _columns(tl.reshape(y, (BT * 4, BS // 4)), BS // 4)
+
+
+@triton.jit
+def _per_thread_row(x, BT: tl.constexpr):
+    """[BT] -> [BT * 4]: the row's value for each of the four lanes that hold its columns."""
+    return tl.reshape(tl.broadcast_to(x[:, None], (BT, 4)), (BT * 4,))
+
+
+@triton.jit
+def _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, stride,
+                     BT: tl.constexpr, BS: tl.constexpr, ALL_OK: tl.constexpr, ASM: tl.constexpr):
+    """Each thread reserves the slots of its passing entries of a row with one atomic, then writes
+    them at running counts along its columns: per entry a compare, an add and a predicated store, no
+    atomic and no branch per entry (the per-entry atomic took ~16 instructions an entry, and this
+    kernel's time follows its instruction count). ALL_OK: ``ok`` is [BT, 1], every entry of a valid
+    row. ASM: the compare, atomic and store in PTX (tl.atomic_add and tl.store would re-lay-out their
+    64-bit pointer tiles through shared memory); without it the same steps in triton (interpreter).
+    """
+    N: tl.constexpr = BS // 4
+    vs = _by_thread(val, BT, BS)
+    cs = _by_thread(tl.broadcast_to(cols.to(tl.int32)[None, :], (BT, BS)), BT, BS)
+    if not ALL_OK:
+        oks = _by_thread(tl.broadcast_to(ok, (BT, BS)).to(tl.int32), BT, BS)
+    t = _per_thread_row(thr, BT)
+    ps = ()
+    n = tl.zeros((BT * 4,), tl.int32)
+    for i in tl.static_range(N):
+        p = _passes(vs[i], t, ASM)
+        if not ALL_OK:
+            p = p & oks[i]
+        ps = ps + (p,)
+        n += p
+    lim = _per_thread_row(tl.where(row_ok, C, 0), BT)  # no slot for rows past the end
+    slot = _reserve(_per_thread_row(cnt_ptr + rid, BT), n, lim, ASM)
+    row = _per_thread_row(buf_ptr + rid * stride, BT)
+    for i in tl.static_range(N):
+        _store_entry(row, slot, lim, ps[i], cs[i], vs[i], ASM)
+        slot += ps[i]
+
+
+@triton.jit
+def _passes(v, t, ASM: tl.constexpr):
+    """1 where v >= t or v is NaN (setp.geu: greater-equal or unordered), else 0."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """
+            {
+            .reg .pred p;
+            setp.geu.f32 p, $1, $2;
+            selp.u32 $0, 1, 0, p;
+            }
+            """,
+            "=r,f,f", [v, t], dtype=tl.int32, is_pure=True, pack=1)
+    return ((v >= t) | (v != v)).to(tl.int32)
+
+
+@triton.jit
+def _reserve(ctr, n, lim, ASM: tl.constexpr):
+    """First of n slots from the counters at ctr (one relaxed atomic each; none where n or lim is 0)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """
+            {
+            .reg .pred p;
+            mov.b32 $0, 0;
+            setp.ne.u32 p, $2, 0;
+            setp.ne.and.u32 p, $3, 0, p;
+            @p atom.relaxed.gpu.global.add.u32 $0, [$1], $2;
+            }
+            """,
+            "=r,l,r,r", [ctr.to(tl.int64), n, lim], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.atomic_add(ctr, n, mask=(n != 0) & (lim != 0), sem="relaxed")
+
+
+@triton.jit
+def _store_entry(row, slot, lim, p, col, v, ASM: tl.constexpr):
+    """row[slot] = {position col, bits of v} (raw_entry) as one 8-byte store, where p and slot < lim."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            """
+            {
+            .reg .pred p;
+            .reg .b64 a, e;
+            mov.b32 $0, 0;
+            setp.lt.u32 p, $2, $3;
+            setp.ne.and.u32 p, $4, 0, p;
+            mad.wide.u32 a, $2, 8, $1;
+            mov.b64 e, {$5, $6};
+            @p st.global.b64 [a], e;
+            }
+            """,
+            "=r,l,r,r,r,r,r", [row.to(tl.int64), slot, lim, p, col, v.to(tl.int32, bitcast=True)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(row + slot, raw_entry(v, col), mask=(p != 0) & (slot < lim))
 
 
 @triton.jit
@@ -295,7 +407,7 @@ def _head_scores(kg, qt, BH: tl.constexpr, PREC: tl.constexpr):
         s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     else:
         s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
-    return _head_columns(s, BH)
+    return _columns(s, BH)
 
 
 @triton.jit
@@ -305,24 +417,16 @@ def _halves(x):
 
 
 @triton.jit
-def _columns16(s):
-    """The 16 columns of s [M, 16] as [M] tensors, in order: moved, not computed (no arithmetic)."""
-    x0, x1 = _halves(s)  # x_abc holds columns a + 2b + 4c + 8m, m = 0, 1
-    x00, x01 = _halves(x0)
-    x10, x11 = _halves(x1)
-    x000, x001 = _halves(x00)
-    x010, x011 = _halves(x01)
-    x100, x101 = _halves(x10)
-    x110, x111 = _halves(x11)
-    c0, c8 = tl.split(x000)
-    c1, c9 = tl.split(x100)
-    c2, c10 = tl.split(x010)
-    c3, c11 = tl.split(x110)
-    c4, c12 = tl.split(x001)
-    c5, c13 = tl.split(x101)
-    c6, c14 = tl.split(x011)
-    c7, c15 = tl.split(x111)
-    return c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+def _columns8(s):
+    """The 8 columns of s [M, 8] as [M] tensors, in order: moved, not computed (no arithmetic)."""
+    x0, x1 = _halves(s)  # columns 0 2 4 6 and 1 3 5 7
+    x00, x01 = _halves(x0)  # 0 4 and 2 6
+    x10, x11 = _halves(x1)  # 1 5 and 3 7
+    c0, c4 = tl.split(x00)
+    c2, c6 = tl.split(x01)
+    c1, c5 = tl.split(x10)
+    c3, c7 = tl.split(x11)
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit
@@ -332,6 +436,13 @@ def _interleave(e, o, N: tl.constexpr):
     for i in tl.static_range(N):
         out = out + (e[i], o[i])
     return out
+
+
+@triton.jit
+def _columns16(s):
+    """The 16 columns of s [M, 16], in order."""
+    ev, od = _halves(s)
+    return _interleave(_columns8(ev), _columns8(od), 8)
 
 
 @triton.jit
@@ -349,12 +460,14 @@ def _columns64(s):
 
 
 @triton.jit
-def _head_columns(s, BH: tl.constexpr):
-    """The BH (16, 32 or 64) columns of s [M, BH], in order."""
-    tl.static_assert((BH == 16) or (BH == 32) or (BH == 64))
-    if BH == 16:
+def _columns(s, N: tl.constexpr):
+    """The N (8, 16, 32 or 64) columns of s [M, N], in order."""
+    tl.static_assert((N == 8) or (N == 16) or (N == 32) or (N == 64))
+    if N == 8:
+        return _columns8(s)
+    elif N == 16:
         return _columns16(s)
-    elif BH == 32:
+    elif N == 32:
         return _columns32(s)
     else:
         return _columns64(s)

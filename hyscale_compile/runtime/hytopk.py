@@ -283,16 +283,21 @@ def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MO
     """Append every in-range entry >= its row threshold to the row buffer; returns the row counts."""
     cnt = torch.zeros(pb.B * pb.T, dtype=torch.int32, device=pb.device)
     split = filter_split(pb)
+    append, asm = append_kind(pb)
     pb.launch(block_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, thr, cnt,
               buf if out is None else out, pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, cap,
-              buf.shape[1], split, MODE=mode, APPEND=append_kind(pb))
+              buf.shape[1], split, MODE=mode, APPEND=append, ASM=asm)
     return cnt
 
 
-def append_kind(pb: _Problem) -> int:
-    """The PTX append only where there is PTX (the interpreter takes the portable atomic one)."""
-    a = pb.tile.append
-    return 1 if a == 2 and interpreting() else a
+def append_kind(pb: _Problem) -> tuple[int, bool]:
+    """(APPEND, ASM): the PTX steps only where there is PTX; the per-entry PTX append becomes the
+    portable atomic one under the interpreter, the reserved one its triton twin. The reserved append
+    splits a tile's columns four ways into 8 to 64 per thread (BS of 32 to 256)."""
+    a, asm = pb.tile.append, not interpreting()
+    if a == 3 and pb.tile.bs not in (32, 64, 128, 256):
+        a = 2
+    return (1 if a == 2 and not asm else a), asm
 
 
 def filter_split(pb: _Problem) -> int:

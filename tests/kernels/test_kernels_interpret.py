@@ -154,10 +154,11 @@ def test_sampled_threshold_split_programs():
     assert s.rows_recovered == 0 and 90 <= s.mean_candidates <= 110
 
 
-@pytest.mark.parametrize("append", [0, 1, 2])
+@pytest.mark.parametrize("append", [0, 1, 2, 3])
 def test_append_variants(append):
-    """Each way the filter hands out slots (block scan, per-entry atomic; the PTX one runs as the
-    atomic one here) gives the same exact result, on tiles inside and across the rows' ranges."""
+    """Each way the filter hands out slots (block scan, per-entry atomic, slots reserved per thread;
+    the per-entry PTX one runs as the atomic one here, the reserved one as its triton twin) gives the
+    same exact result, on tiles inside and across the rows' ranges."""
     q, kx, w = inputs(B=1, T=6, S=128, seed=15)
     old = score_tile.TILE
     score_tile.TILE = dataclasses.replace(old, append=append, bs=32)
@@ -165,6 +166,11 @@ def test_append_variants(append):
         with knobs(capacity=64, target=40, samples=64):
             check(q, kx, w, 8, vis=Visibility(causal=True, offset=122))
             check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 90, 100]]), causal=True,
+                                              offset=122))
+        # the last row sees 3 keys, so 5 masked positions (value fill) are in its top 8; every context fits
+        # the buffer, so the threshold lets all pass: entries out of range must still never be appended
+        with knobs(capacity=128):
+            check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 90, 125]]), causal=True,
                                               offset=122))
     finally:
         score_tile.TILE = old
