@@ -358,12 +358,12 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
         m = tl.load(msamp_ptr + r).to(tl.int64)
         rank = (target * m + ctx - 1) // tl.maximum(ctx, 1)
         js = tl.arange(0, MB)
-        keys = tl.load(samp_ptr + r * samp_stride + js, mask=js < M, other=-2147483648).to(tl.int64)
+        keys = tl.load(samp_ptr + r * samp_stride + js, mask=js < M, other=-2147483648)
         a = tl.full((), -2147483648, tl.int64)
         z = tl.full((), 2147483647, tl.int64)
-        for _ in range(32):  # largest x with #(keys >= x) >= rank
+        for _ in range(32):  # largest x with #(keys >= x) >= rank; x stays in int32's range
             mid = (a + z + 1) >> 1
-            enough = tl.sum((keys >= mid).to(tl.int64), axis=0) >= rank
+            enough = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32), axis=0) >= rank
             a = tl.where(enough, mid, a)
             z = tl.where(enough, z, mid - 1)
         use = (ctx > C) & (rank >= 1) & (rank <= m)

@@ -300,6 +300,46 @@ def test_sample_keys_match_reference(case, capacity):
     assert torch.equal(msamp, (want != -(2**31)).sum(1).to(torch.int32))
 
 
+def _threshold_reference(samp, msamp, lo, hi, target, C, M):
+    """Per row the ceil(target * m / ctx)-th largest of its M sample keys (int32 min where unused)."""
+    out = torch.full((samp.shape[0],), -(2**31), dtype=torch.int32)
+    for r in range(samp.shape[0]):
+        ctx, m = int(hi[r] - lo[r]), int(msamp[r])
+        rank = -(-target * m // max(ctx, 1))
+        if ctx > C and 1 <= rank <= m:
+            out[r] = samp[r, :M].sort(descending=True).values[rank - 1]
+    return out
+
+
+def test_threshold_is_the_ranked_sample():
+    """The threshold kernel's radix select against a sort, on the real sample keys and on adversarial
+    ones: all equal, ties at the rank, keys sharing their top bytes, the int32 extremes, negatives."""
+    T, S, M, target, C = 64, 1000, 300, 40, 16
+    q, kx, w = inputs(B=1, T=T, S=S, seed=21)
+    with knobs(capacity=C, target=target, samples=M):
+        pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(causal=True, offset=S - T - 500), NEG_INF)
+        buf, samp, msamp = hytopk.sample(pb, 5)
+        g = torch.Generator().manual_seed(22)
+        lo32, hi32 = -(2**31), 2**31 - 1
+        patterns = [
+            torch.full((M,), 7),
+            torch.randint(0, 3, (M,), generator=g) * 1000,  # heavy ties wherever the rank falls
+            0x12345600 + torch.randint(0, 256, (M,), generator=g),  # only the low byte differs
+            torch.randint(lo32 + 1, hi32, (M,), generator=g, dtype=torch.int64),
+            torch.tensor([hi32, lo32 + 1] * (M // 2)),
+            -torch.randint(1, 50, (M,), generator=g),
+        ]
+        for i, pat in enumerate(patterns):  # rows 48.. keep their real samples
+            samp[8 * i:8 * i + 8, :M] = pat.to(torch.int32)
+            samp[8 * i + 1, M // 2:] = lo32  # some rows with fewer valid samples
+        msamp = (samp[:, :M] != lo32).sum(1).to(torch.int32)
+        keys = samp[:, :M].clone()
+        thr = hytopk.threshold(pb, 5, buf, samp, msamp)
+    want = _threshold_reference(keys, msamp, pb.lo.view(-1), pb.hi.view(-1), target, C, M)
+    assert (want != -(2**31)).sum() >= 60  # the rank rule applies to (almost) every row
+    assert torch.equal(thr, want)
+
+
 def test_past_64_rows_fallback_exact():
     q, kx, w = inputs(B=1, T=70, H=1, S=100, seed=11)
     stats.reset()
