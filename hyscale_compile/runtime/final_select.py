@@ -2,7 +2,7 @@
 
 It replaces ``torch.topk`` over the whole buffer (a radix select that reads all W int64 entries of
 a row on every pass: 1.8 ms for 4096 x 13824 on an H200) with one read of each row in a Triton
-kernel, which then sorts its k winners in registers and decodes them. Entries are raw: fp32 value
+kernel; a second one sorts each row's k winners in registers and decodes them. Entries are raw: fp32 value
 bits high, position low, -1 empty. They rank by the unique (value, position) composite of
 ``score_tile.composite``.
 
@@ -13,6 +13,7 @@ Per row, in one program:
     select -> the k-th of the list by bisection over counts: its key first, then (only if entries of
               that key straddle it) the position among them; every pass is 32-bit work
     emit   -> the list entries that rank at or above it fill the remaining output slots
+and then, per row in a kernel of its own (fewer registers, more warps: sort_decode_kernel):
     sort   -> the k winners, back into registers: a bitonic sort, decode, store values and positions
 A row whose pivots miss (k or more entries >= hi, fewer than k >= lo, or more between than the list
 holds) selects over its whole buffer the same way: slower, equally exact. Counts never leave the
@@ -196,17 +197,27 @@ def _decode_in_place(dst, val, k, CH: tl.constexpr):
         tl.store(dst + j, pos, mask=j < k)
 
 
+@triton.jit
+def sort_decode_kernel(comp_ptr, val_ptr, k, KP: tl.constexpr):
+    """Row r's k composites (comp[r, :k]) sorted descending, then decoded: val[r, :k] the values and
+    comp[r, :k] the positions. Apart from the final select, whose other steps need 4 warps and 96
+    registers: the sort alone runs at 16 warps and 62 registers for k = 2048 (two rows per SM, 32
+    warps), where inside the final select it had 4 warps at 128 registers and a spill."""
+    r = tl.program_id(0).to(tl.int64)
+    _sort_decode(comp_ptr + r * k, val_ptr + r * k, k, KP)
+
+
 # W and cap unspecialized: rows then look unaligned, so the loads are not vectorized and keep the layout
 # of the scattered stores (no re-layout through shared memory between them).
 @triton.jit(do_not_specialize=["W", "cap"])
 def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, next_ptr, R, W, C, k, cap, i_hi,
                         i_lo, S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr,
-                        KP: tl.constexpr, USED: tl.constexpr, FINISH: tl.constexpr):
+                        USED: tl.constexpr, FINISH: tl.constexpr):
     """out[r, :k] = the k largest composites of raw row r, unsorted; fast[r] = 1 where the pivots held.
 
     With USED, only the first used[r] of the row's first C slots hold entries (the rest is never read).
-    FINISH 1 and 2 then decode each row's winners in place, val[r, :k] the canonical values and
-    out[r, :k] the positions (int64); 2 sorts them in registers first (KP: a power of two >= k).
+    FINISH then decodes each row's winners in place, val[r, :k] the canonical values and out[r, :k]
+    the positions (int64); without it they stay composites (sort_decode_kernel sorts and decodes them).
     Unsorted, they come in the order of the row's slots (which the filter's atomics decided).
     Programs take rows from an atomic counter (next_ptr, zeroed), so a slow row holds up no other,
     and each keeps one scratch list of ``cap`` entries for all its rows.
@@ -249,9 +260,7 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
             K, V = _kth(src, n, seam, jump, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), True,
                         CH)
             _emit(src, n, seam, jump, K, V, dst, True, CH, TPB)
-        if FINISH == 2:
-            _sort_decode(dst, val_ptr + row * k, k, KP)
-        elif FINISH == 1:
+        if FINISH:
             _decode_in_place(dst, val_ptr + row * k, k, LCH)
         tl.debug_barrier()  # the next row overwrites the list
         row = tl.atomic_add(next_ptr, 1, sem="relaxed").to(tl.int64)
@@ -285,9 +294,9 @@ Used = tuple[Tensor, int] | None  # (int32 [R] counts, C): only the first counts
 
 
 def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used, sample: int,
-            ranks: tuple[int, int] | None, cap: int | None, chunk: int, list_chunk: int, warps: int,
-            sort: bool = True) -> Tensor:
-    """Run the kernel over every row of buf into out (and values when sorting); returns the fast flags."""
+            ranks: tuple[int, int] | None, cap: int | None, chunk: int, list_chunk: int, warps: int) -> Tensor:
+    """Run the kernel over every row of buf into out: composites, or with values decoded winners (unsorted);
+    returns the fast flags."""
     R, W = buf.shape
     assert buf.dtype == torch.int64 and buf.is_contiguous() and 1 <= k <= W
     assert chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15  # see _slots
@@ -302,12 +311,9 @@ def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used,
     nprog = min(R, _programs(buf.device))
     scratch = torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)
     next_row = torch.zeros(1, dtype=torch.int32, device=buf.device)
-    finish = 0 if values is None else (2 if sort else 1)
-    kp = sort_width(k) if finish == 2 else 1
-    assert kp > 0, "k past SORT_MAX sorts outside the kernel"
     final_select_kernel[(nprog,)](buf, counts, out, out if values is None else values, scratch, fast, next_row, R, W,
-                                  C, k, cap, i_hi, i_lo, S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps, KP=kp,
-                                  USED=used is not None, FINISH=finish, num_warps=warps)
+                                  C, k, cap, i_hi, i_lo, S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps,
+                                  USED=used is not None, FINISH=values is not None, num_warps=warps)
     return fast
 
 
@@ -329,15 +335,22 @@ def sort_width(k: int) -> int:
     return kp if kp <= SORT_MAX else 0
 
 
+def sort_warps(kp: int) -> int:
+    """Warps of the sort kernel: 4 entries a thread, 4 to 16 warps. On the H200 at k = 2048 (8192 rows,
+    the final select and the sort together): 1.81 / 2.12 / 1.64 ms at 4 / 8 / 16 warps, 1.89 ms sorted
+    inside the final select; at k = 512: 0.20 / 0.21 / 0.21 ms, 0.26 inside."""
+    return max(4, min(16, kp // 128))
+
+
 def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, sample: int = SAMPLE,
                   ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
                   list_chunk: int = LIST_CHUNK, warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
     """(values fp32 [R, k], positions int64 [R, k], fast flags): ``select_rows`` with the knobs above.
 
-    Up to SORT_MAX winners are sorted and decoded by the kernel itself, in the positions' memory (the
-    composites and the positions have the same size), so no [R, k] temporary exists; past it the
+    Up to SORT_MAX winners are sorted and decoded by ``sort_decode_kernel`` in the positions' memory
+    (the composites and the positions have the same size), so no [R, k] temporary exists; past it the
     composites go through ``torch.sort`` and ``decode``. sort=False decodes the winners as they lie,
-    in the order of the row's slots (the kernel's sort is two thirds of its time at k=2048).
+    in the order of the row's slots (the sort is about half the time at k=2048).
     """
     kw = dict(used=used, sample=sample, ranks=ranks, cap=cap, chunk=chunk, list_chunk=list_chunk, warps=warps)
     if sort and sort_width(k) == 0:
@@ -345,7 +358,12 @@ def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, 
         return (*decode(torch.sort(comp, dim=1, descending=True).values), fast)
     indices = torch.empty(buf.shape[0], k, dtype=torch.int64, device=buf.device)
     values = torch.empty(buf.shape[0], k, dtype=torch.float32, device=buf.device)
-    fast = _launch(buf, k, indices, values, **kw, sort=sort)
+    if not sort:
+        return values, indices, _launch(buf, k, indices, values, **kw)
+    fast = _launch(buf, k, indices, None, **kw)  # composites into the positions' memory: sorted, decoded there
+    if buf.shape[0]:
+        kp = sort_width(k)
+        sort_decode_kernel[(buf.shape[0],)](indices, values, k, KP=kp, num_warps=sort_warps(kp))
     return values, indices, fast
 
 
