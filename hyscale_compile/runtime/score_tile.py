@@ -34,7 +34,9 @@ class TileConfig:
     bs: int = 128  # keys per tile
     warps: int = 4
     stages: int = 2
-    append: int = 3  # filter append: 0 block scan, 1 atomic per entry, 2 the same in PTX, 3 slots reserved per thread
+    # filter append: 0 block scan, 1 atomic per entry, 2 the same in PTX, 3 slots reserved per thread;
+    # None: 2 or 3 by the expected share of entries that pass (hytopk.append_kind)
+    append: int | None = None
     maxnreg: int | None = None  # register cap (fewer registers -> more tiles in flight per SM)
 
 

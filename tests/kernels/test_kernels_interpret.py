@@ -176,6 +176,18 @@ def test_append_variants(append):
         score_tile.TILE = old
 
 
+def test_append_rule():
+    """By default the filter reserves slots per thread where many entries pass (capacity >= S / 16) and
+    appends per entry where few do; an explicit tile append is kept. The interpreter has no PTX: the
+    per-entry PTX append runs as the portable one."""
+    q, kx, w = inputs(B=1, T=2, S=2000, seed=23)
+    pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF)
+    assert hytopk.append_kind(pb, 125) == (3, False)
+    assert hytopk.append_kind(pb, 124) == (1, False)
+    pb.tile = dataclasses.replace(pb.tile, append=0)
+    assert hytopk.append_kind(pb, 125) == (0, False)
+
+
 @pytest.mark.parametrize("weights", [True, False])
 def test_negative_scale_relu(weights):
     """relu(scale * x) with scale < 0 is evaluated as (scale * w) * min(x, 0): same selection."""
