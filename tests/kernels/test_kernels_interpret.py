@@ -176,6 +176,20 @@ def test_append_variants(append):
         score_tile.TILE = old
 
 
+def test_reserved_append_at_the_default_tile():
+    """The reserved append at 128 keys a tile (32 columns a thread: the split the GPU runs), on tiles
+    inside and across the rows' ranges; the variants test above splits 8 columns a thread."""
+    q, kx, w = inputs(B=1, T=6, S=300, seed=15)
+    old = score_tile.TILE
+    score_tile.TILE = dataclasses.replace(old, append=3, bs=128)
+    try:
+        with knobs(capacity=64, target=40, samples=128):
+            check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 141, 190, 290]]), causal=True,
+                                              offset=294))
+    finally:
+        score_tile.TILE = old
+
+
 def test_append_rule():
     """By default the filter reserves slots per thread where many entries pass (capacity >= S / 16) and
     appends per entry where few do; an explicit tile append is kept. The interpreter has no PTX: the
