@@ -166,6 +166,8 @@ def _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, strid
     64-bit pointer tiles through shared memory); without it the same steps in triton (interpreter).
     """
     N: tl.constexpr = BS // 4
+    if ASM:  # a thread per (row, quarter) at most: copies of an element would each run its atomic and stores
+        tl.static_assert(BT * 4 >= tl.extra.cuda.num_threads())
     vs = _by_thread(val, BT, BS)
     cs = _by_thread(tl.broadcast_to(cols.to(tl.int32)[None, :], (BT, BS)), BT, BS)
     if not ALL_OK:
@@ -218,7 +220,8 @@ def _reserve(ctr, n, lim, ASM: tl.constexpr):
             }
             """,
             "=r,l,r,r", [ctr.to(tl.int64), n, lim], dtype=tl.int32, is_pure=False, pack=1)
-    return tl.atomic_add(ctr, n, mask=(n != 0) & (lim != 0), sem="relaxed")
+    slot = tl.atomic_add(ctr, n, mask=(n != 0) & (lim != 0), sem="relaxed")
+    return tl.where(lim != 0, slot, 0)  # whatever a masked atomic returns, a row past the end stores nothing
 
 
 @triton.jit

@@ -303,11 +303,12 @@ def append_kind(pb: _Problem, cap: int) -> tuple[int, bool]:
     that fails. H200, filter alone: 3 is faster by 0.3-0.6 ms where ~5% pass (S = 131072, k = 2048),
     even at 1.4% (S = 524288), 2 faster by 0.4-1.3 ms at 1% (S = 262144, k = 512, H = 64).
     The PTX steps only where there is PTX: 2 becomes the portable per-entry append under the
-    interpreter, 3 its triton twin. The reserved append needs BS of 32 to 256."""
+    interpreter, 3 its triton twin. The reserved append needs BS of 32 to 256 and, in PTX, a thread
+    for each quarter of a row at most (BT * 4 >= threads): inline PTX runs once per copy of an element."""
     a, asm = pb.tile.append, not interpreting()
     if a is None:
         a = 3 if cap * 16 >= pb.S else 2
-    if a == 3 and pb.tile.bs not in (32, 64, 128, 256):
+    if a == 3 and (pb.tile.bs not in (32, 64, 128, 256) or (asm and pb.tile.bt * 4 < 32 * pb.tile.warps)):
         a = 2
     return (1 if a == 2 and not asm else a), asm
 

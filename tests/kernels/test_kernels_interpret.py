@@ -202,6 +202,19 @@ def test_append_rule():
     assert hytopk.append_kind(pb, 125) == (0, False)
 
 
+def test_append_rule_on_gpu(monkeypatch):
+    """Where there is PTX, the reserved append needs a thread per quarter row at most (inline PTX runs
+    once per copy of an element, so copies would reserve and store twice): smaller tiles append per entry."""
+    q, kx, w = inputs(B=1, T=2, S=2000, seed=23)
+    pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF)
+    monkeypatch.setattr(hytopk, "interpreting", lambda: False)
+    for bt, warps, want in [(64, 4, 3), (16, 4, 2), (32, 4, 3), (32, 8, 2), (64, 8, 3), (128, 8, 3)]:
+        pb.tile = dataclasses.replace(pb.tile, bt=bt, warps=warps, append=None)
+        assert hytopk.append_kind(pb, 125) == (want, True), (bt, warps)
+    pb.tile = dataclasses.replace(pb.tile, bt=64, warps=4)
+    assert hytopk.append_kind(pb, 124) == (2, True)
+
+
 @pytest.mark.parametrize("weights", [True, False])
 def test_negative_scale_relu(weights):
     """relu(scale * x) with scale < 0 is evaluated as (scale * w) * min(x, 0): same selection."""
