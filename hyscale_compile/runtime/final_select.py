@@ -9,7 +9,8 @@ bits high, position low, -1 empty. They rank by the unique (value, position) com
 Per row, in one program:
     pivots -> two entries of a strided sample of the row (sorted): hi ranks above the k-th, lo below
     split  -> one pass over the row: entries >= hi are winners, written to the row's output slots;
-              entries in [lo, hi) go to the program's scratch list (about 3k of 13824 at k = 2048)
+              entries in [lo, hi) go to a list (about 3k of 13824 at k = 2048): the program's scratch,
+              or (row_lists) the row's own unused candidate slots, so the select needs no memory
     select -> the k-th of the list by bisection over counts: its key first, then (only if entries of
               that key straddle it) the position among them; every pass is 32-bit work
     emit   -> the list entries that rank at or above it fill the remaining output slots
@@ -37,6 +38,7 @@ SAMPLE = 256  # sample entries per row for the pivots
 CHUNK = 1024  # entries per step of the pass over a row
 LIST_CHUNK = 512  # entries per step over a scratch list
 SORT_MAX = 2048  # widest in-kernel sort of a row's winners (16 int64 registers a thread at 4 warps)
+LIST_REGS_MAX = 4096  # longest list held in registers for its bisection (32 int64 registers a thread at 4 warps)
 MARGIN_SD = 4.5  # pivot ranks this many standard deviations of the sample rank away from the k-th
 
 _MIN = tl.constexpr(INT64_MIN)
@@ -69,28 +71,37 @@ def _comps(ptr, offs, n, seam, jump, RAW: tl.constexpr):
 
 
 @triton.jit
-def _scan(ptr, n, seam, jump, t, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
-    """One pass over v = each entry's key, or (TIES) minus the position of each entry with key K.
+def _tally(x, t, K, TIES: tl.constexpr):
+    """Per entry of x: (v >= t as int32, v where >= t else INT32_MAX, v where < t else INT32_MIN), v = the
+    entry's key, or (TIES) minus the position of an entry with key K (others count nowhere)."""
+    if TIES:
+        ok = (x >> 32).to(tl.int32) == K
+        v = x.to(tl.int32) + 1  # the low word 0xFFFFFFFF - pos is -1 - pos as int32
+        ge = ok & (v >= t)
+        lt = ok & (v < t)
+    else:
+        v = (x >> 32).to(tl.int32)  # empties and padding have key INT32_MIN, below every bound
+        ge = v >= t
+        lt = v < t
+    return ge.to(tl.int32), tl.where(ge, v, _I32_MAX), tl.where(lt, v, _I32_MIN)
 
-    Returns #(v >= t), the smallest of those v and the largest v below t; all 32-bit work.
+
+@triton.jit
+def _scan(ptr, n, seam, jump, t, K, tile, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr,
+          REG: tl.constexpr):
+    """One pass over the entries (REG: the composites in the register tile, else ptr[0:n], see _comps):
+    #(v >= t), the smallest of those v and the largest v below t (see _tally); all 32-bit work.
     """
+    if REG:
+        return tl.reduce(_tally(tile, t, K, TIES), 0, _sum_min_max)
     cnt = tl.zeros((CH,), dtype=tl.int32)  # reduced once, at the end of the pass
     above = tl.full((CH,), _I32_MAX, tl.int32)
     below = tl.full((CH,), _I32_MIN, tl.int32)
     for c0 in range(0, n, CH):
-        x = _comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW)
-        if TIES:
-            ok = (x >> 32).to(tl.int32) == K
-            v = x.to(tl.int32) + 1  # the low word 0xFFFFFFFF - pos is -1 - pos as int32
-            ge = ok & (v >= t)
-            lt = ok & (v < t)
-        else:
-            v = (x >> 32).to(tl.int32)  # empties and padding have key INT32_MIN, below every bound
-            ge = v >= t
-            lt = v < t
-        cnt += ge.to(tl.int32)
-        above = tl.minimum(above, tl.where(ge, v, _I32_MAX))
-        below = tl.maximum(below, tl.where(lt, v, _I32_MIN))
+        c, a, b = _tally(_comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW), t, K, TIES)
+        cnt += c
+        above = tl.minimum(above, a)
+        below = tl.maximum(below, b)
     return tl.reduce((cnt, above, below), 0, _sum_min_max)  # one block reduction for the three
 
 
@@ -100,7 +111,8 @@ def _sum_min_max(c0, a0, b0, c1, a1, b1):
 
 
 @triton.jit
-def _bisect(ptr, n, seam, jump, need, lo, hi, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
+def _bisect(ptr, n, seam, jump, need, lo, hi, K, tile, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr,
+            REG: tl.constexpr):
     """The need-th largest v (see _scan), given #(v >= lo) >= need and no v >= hi (int64 bounds).
 
     Bisection that moves each bound onto a value present, so it takes about log2(distinct values)
@@ -109,7 +121,8 @@ def _bisect(ptr, n, seam, jump, need, lo, hi, K, RAW: tl.constexpr, CH: tl.const
     exact = tl.zeros((), dtype=tl.int32)
     n_hi = tl.zeros((), dtype=tl.int32)
     while hi - lo > 1:
-        cnt, above, below = _scan(ptr, n, seam, jump, (lo + (hi - lo) // 2).to(tl.int32), K, RAW, CH, TIES)
+        cnt, above, below = _scan(ptr, n, seam, jump, (lo + (hi - lo) // 2).to(tl.int32), K, tile, RAW, CH, TIES,
+                                  REG)
         if cnt >= need:
             lo = above.to(tl.int64)
             if cnt == need:  # the need largest are exactly those counted: the smallest of them is it
@@ -122,18 +135,20 @@ def _bisect(ptr, n, seam, jump, need, lo, hi, K, RAW: tl.constexpr, CH: tl.const
 
 
 @triton.jit
-def _kth(ptr, n, seam, jump, need, lo, hi, RAW: tl.constexpr, CH: tl.constexpr):
-    """(K, V): the need largest entries of ptr[0:n] are those with key > K, or key K and -position >= V.
+def _kth(ptr, n, seam, jump, need, lo, hi, tile, RAW: tl.constexpr, CH: tl.constexpr, REG: tl.constexpr):
+    """(K, V): the need largest entries of ptr[0:n] (REG: of the register tile) are those with key > K, or
+    key K and -position >= V.
 
     Needs every entry below the composite hi and at least need of them at or above lo. The key comes
     first; positions only matter when the entries of key K straddle the need-th.
     """
     lo_key = tl.maximum(lo >> 32, _I32_MIN + 1)  # empties and padding (key INT32_MIN) never count
-    key, exact, above = _bisect(ptr, n, seam, jump, need, lo_key, ((hi - 1) >> 32) + 1, 0, RAW, CH, False)
+    key, exact, above = _bisect(ptr, n, seam, jump, need, lo_key, ((hi - 1) >> 32) + 1, 0, tile, RAW, CH, False,
+                                REG)
     v = tl.full((), _I32_MIN, tl.int64)  # a count was exact: every entry of key K is in
     if exact == 0:  # positions are below 2**31 - 1, so -position lies in [INT32_MIN + 1, 1)
         v = _bisect(ptr, n, seam, jump, need - above, tl.full((), _I32_MIN + 1, tl.int64), tl.full((), 1, tl.int64),
-                    key.to(tl.int32), RAW, CH, True)[0]
+                    key.to(tl.int32), tile, RAW, CH, True, REG)[0]
     return key.to(tl.int32), v.to(tl.int32)
 
 
@@ -153,16 +168,32 @@ def _slots(f, TPB: tl.constexpr):
 
 
 @triton.jit
+def _emit_chunk(x, K, V, dst, TPB: tl.constexpr):
+    """Write the composites of x selected by (K, V) (see _kth) to dst[0:], in no particular order; their number."""
+    key = (x >> 32).to(tl.int32)
+    sel = (key > K) | ((key == K) & (x.to(tl.int32) + 1 >= V))
+    slot, tot = _slots(sel.to(tl.int32), TPB)
+    tl.store(dst + slot, x, mask=sel)
+    return tot
+
+
+@triton.jit
 def _emit(ptr, n, seam, jump, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TPB: tl.constexpr):
     """Write the entries of the row (see _comps) selected by (K, V) (see _kth) to dst[0:], in no particular order."""
     base = tl.zeros((), dtype=tl.int32)
     for c0 in range(0, n, CH):
-        x = _comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW)
-        key = (x >> 32).to(tl.int32)
-        sel = (key > K) | ((key == K) & (x.to(tl.int32) + 1 >= V))
-        slot, tot = _slots(sel.to(tl.int32), TPB)
-        tl.store(dst + base + slot, x, mask=sel)
-        base += tot
+        base += _emit_chunk(_comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW), K, V, dst + base, TPB)
+
+
+@triton.jit
+def _select_list_in_registers(lst, n, need, lo, hi, dst, LREG: tl.constexpr, TPB: tl.constexpr):
+    """_kth and _emit over a list of n <= LREG composites loaded once: each bisection pass is then
+    register work and one block reduction, not a reread of the list (LREG = 0: never called)."""
+    if LREG > 0:
+        j = tl.arange(0, LREG)
+        tile = tl.load(lst + j, mask=j < n, other=_MIN)
+        K, V = _kth(lst, n, n, 0, need, lo, hi, tile, False, LREG, True)
+        _emit_chunk(tile, K, V, dst, TPB)
 
 
 @triton.jit
@@ -212,7 +243,7 @@ def sort_decode_kernel(comp_ptr, val_ptr, k, KP: tl.constexpr):
 @triton.jit(do_not_specialize=["W", "cap"])
 def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, next_ptr, R, W, C, k, cap, i_hi,
                         i_lo, S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr,
-                        USED: tl.constexpr, FINISH: tl.constexpr):
+                        USED: tl.constexpr, FINISH: tl.constexpr, ROW_LISTS: tl.constexpr, LREG: tl.constexpr):
     """out[r, :k] = the k largest composites of raw row r, unsorted; fast[r] = 1 where the pivots held.
 
     With USED, only the first used[r] of the row's first C slots hold entries (the rest is never read).
@@ -220,9 +251,12 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
     the positions (int64); without it they stay composites (sort_decode_kernel sorts and decodes them).
     Unsorted, they come in the order of the row's slots (which the filter's atomics decided).
     Programs take rows from an atomic counter (next_ptr, zeroed), so a slow row holds up no other,
-    and each keeps one scratch list of ``cap`` entries for all its rows.
+    and each keeps one scratch list of ``cap`` entries for all its rows; with ROW_LISTS (needs USED)
+    there is no scratch: a row's list lives in its own unused slots [used[r], C), which the pass never
+    reads, and a row whose list does not fit there selects over its whole buffer (still intact).
     """
     scr = scr_ptr + tl.program_id(0).to(tl.int64) * cap
+    lcap = cap
     j = tl.arange(0, S)
     row = tl.atomic_add(next_ptr, 1, sem="relaxed").to(tl.int64)  # int64: offsets pass 2**31
     while row < R:
@@ -232,6 +266,9 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
         if USED:
             seam = tl.load(used_ptr + row)
             n, jump = W - (C - seam), C - seam
+            if ROW_LISTS:
+                scr = src + seam
+                lcap = C - seam
         p = (j.to(tl.int64) * W) // S  # the pivots sample the physical row: unused slots count as empty
         samp = tl.sort(_raw_comps(src, p, (p < seam) | (p >= C)), descending=True)
         hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
@@ -247,18 +284,21 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
             s_slot = n_hi + (before & 0xFFFF)
             m_slot = n_mid + (before >> 16)
             tl.store(dst + s_slot, x, mask=sure & (s_slot < k))
-            tl.store(scr + m_slot, x, mask=mid & (m_slot < cap))
+            tl.store(scr + m_slot, x, mask=mid & (m_slot < lcap))
             n_hi += tot & 0xFFFF
             n_mid += tot >> 16
-        fast = (n_hi < k) & (n_hi + n_mid >= k) & (n_mid <= cap)
+        fast = (n_hi < k) & (n_hi + n_mid >= k) & (n_mid <= lcap)
         tl.store(fast_ptr + row, fast.to(tl.int8))
         tl.debug_barrier()  # the list is read below, and the slow path rewrites the slots written above
         if fast:
-            K, V = _kth(scr, n_mid, n_mid, 0, k - n_hi, lo, hi, False, LCH)
-            _emit(scr, n_mid, n_mid, 0, K, V, dst + n_hi, False, LCH, TPB)
+            if n_mid <= LREG:  # never with LREG = 0: the fast path has n_mid >= 1
+                _select_list_in_registers(scr, n_mid, k - n_hi, lo, hi, dst + n_hi, LREG, TPB)
+            else:
+                K, V = _kth(scr, n_mid, n_mid, 0, k - n_hi, lo, hi, 0, False, LCH, False)
+                _emit(scr, n_mid, n_mid, 0, K, V, dst + n_hi, False, LCH, TPB)
         else:  # the whole buffer is the list
-            K, V = _kth(src, n, seam, jump, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), True,
-                        CH)
+            K, V = _kth(src, n, seam, jump, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), 0, True,
+                        CH, False)
             _emit(src, n, seam, jump, K, V, dst, True, CH, TPB)
         if FINISH:
             _decode_in_place(dst, val_ptr + row * k, k, LCH)
@@ -283,6 +323,22 @@ def pivot_ranks(k: int, W: int, S: int = SAMPLE) -> tuple[int, int, int]:
     return i_hi, i_lo, max(1, min(W, int(2 * between) + 64))
 
 
+def lists_fit_rows(k: int, W: int, room: int, S: int = SAMPLE) -> bool:
+    """Whether rows with about ``room`` unused candidate slots can hold their own lists (row_lists):
+    the room must pass the expected list (the entries between the pivots, ``pivot_ranks``) by half of
+    it again. A row whose list is longer selects over its whole buffer: exact, a few times slower."""
+    between = (pivot_ranks(k, W, S)[2] - 64) // 2
+    return room >= between + between // 2 + 64
+
+
+def list_regs(k: int, W: int, S: int = SAMPLE) -> int:
+    """The register tile for a row's list (a power of two, 0 for none): room for the expected list
+    (``pivot_ranks``) and a quarter more; a longer list is bisected from memory, chunk by chunk."""
+    between = (pivot_ranks(k, W, S)[2] - 64) // 2
+    lreg = triton.next_power_of_2(max(16, between + between // 4))
+    return lreg if lreg <= LIST_REGS_MAX else 0
+
+
 def _programs(device: torch.device) -> int:
     """About what fits at once (96 registers x 128 threads: 5 per SM on an H200); more only idle."""
     if device.type == "cuda":
@@ -294,7 +350,8 @@ Used = tuple[Tensor, int] | None  # (int32 [R] counts, C): only the first counts
 
 
 def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used, sample: int,
-            ranks: tuple[int, int] | None, cap: int | None, chunk: int, list_chunk: int, warps: int) -> Tensor:
+            ranks: tuple[int, int] | None, cap: int | None, chunk: int, list_chunk: int, warps: int,
+            row_lists: bool, lreg: int | None) -> Tensor:
     """Run the kernel over every row of buf into out: composites, or with values decoded winners (unsorted);
     returns the fast flags."""
     R, W = buf.shape
@@ -303,30 +360,37 @@ def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used,
     i_hi, i_lo, default_cap = pivot_ranks(k, W, sample)
     i_hi, i_lo = ranks if ranks is not None else (i_hi, i_lo)
     cap = default_cap if cap is None else cap
+    lreg = (list_regs(k, W, sample) and max(list_regs(k, W, sample), 32 * warps)) if lreg is None else lreg
+    assert lreg == 0 or (lreg & (lreg - 1) == 0 and lreg % (32 * warps) == 0), "list_regs: 0 or a power of two"
     fast = torch.empty(R, dtype=torch.int8, device=buf.device)
     if R == 0:
         return fast
     counts, C = used if used is not None else (fast, W)
     assert counts.dtype in (torch.int8, torch.int32) and counts.shape == (R,) and 0 <= C <= W, "used: int32 [R], C"
+    assert used is not None or not row_lists, "row_lists: the lists live in the unused slots that used names"
     nprog = min(R, _programs(buf.device))
-    scratch = torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)
+    scratch = fast if row_lists else torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)
     next_row = torch.zeros(1, dtype=torch.int32, device=buf.device)
     final_select_kernel[(nprog,)](buf, counts, out, out if values is None else values, scratch, fast, next_row, R, W,
                                   C, k, cap, i_hi, i_lo, S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps,
-                                  USED=used is not None, FINISH=values is not None, num_warps=warps)
+                                  USED=used is not None, FINISH=values is not None, ROW_LISTS=row_lists,
+                                  LREG=lreg, num_warps=warps)
     return fast
 
 
 def select_composites(buf: Tensor, k: int, *, used: Used = None, sample: int = SAMPLE,
                       ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
-                      list_chunk: int = LIST_CHUNK, warps: int = 4) -> tuple[Tensor, Tensor]:
+                      list_chunk: int = LIST_CHUNK, warps: int = 4, row_lists: bool = False,
+                      lreg: int | None = None) -> tuple[Tensor, Tensor]:
     """(composites [R, k] of each row's top k, unsorted; int8 [R], 1 where the row took the fast path).
 
     Pivot ranks and list size default to ``pivot_ranks``; tests set them to force either path (and
     small samples and chunks: the interpreter's sort is slow, and small chunks exercise the loops).
+    row_lists: each row's list in its own unused slots (see ``lists_fit_rows``), no scratch memory.
+    lreg: the register tile for lists (``list_regs`` by default; 0: always bisect from memory).
     """
     out = torch.empty(buf.shape[0], k, dtype=torch.int64, device=buf.device)
-    return out, _launch(buf, k, out, None, used, sample, ranks, cap, chunk, list_chunk, warps)
+    return out, _launch(buf, k, out, None, used, sample, ranks, cap, chunk, list_chunk, warps, row_lists, lreg)
 
 
 def sort_width(k: int) -> int:
@@ -344,7 +408,8 @@ def sort_warps(kp: int) -> int:
 
 def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, sample: int = SAMPLE,
                   ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
-                  list_chunk: int = LIST_CHUNK, warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
+                  list_chunk: int = LIST_CHUNK, warps: int = 4, row_lists: bool = False,
+                  lreg: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(values fp32 [R, k], positions int64 [R, k], fast flags): ``select_rows`` with the knobs above.
 
     Up to SORT_MAX winners are sorted and decoded by ``sort_decode_kernel`` in the positions' memory
@@ -352,7 +417,8 @@ def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, 
     composites go through ``torch.sort`` and ``decode``. sort=False decodes the winners as they lie,
     in the order of the row's slots (the sort is about half the time at k=2048).
     """
-    kw = dict(used=used, sample=sample, ranks=ranks, cap=cap, chunk=chunk, list_chunk=list_chunk, warps=warps)
+    kw = dict(used=used, sample=sample, ranks=ranks, cap=cap, chunk=chunk, list_chunk=list_chunk, warps=warps,
+              row_lists=row_lists, lreg=lreg)
     if sort and sort_width(k) == 0:
         comp, fast = select_composites(buf, k, **kw)
         return (*decode(torch.sort(comp, dim=1, descending=True).values), fast)
@@ -381,16 +447,18 @@ def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
     return bits.view(torch.float32), torch.bitwise_not(low).long()
 
 
-def select_rows(buf: Tensor, k: int, used: Used = None, sorted: bool = True) -> tuple[Tensor, Tensor]:
+def select_rows(buf: Tensor, k: int, used: Used = None, sorted: bool = True,
+                row_lists: bool = False) -> tuple[Tensor, Tensor]:
     """Each row's k best raw entries of ``buf`` [R, W] int64 (fp32 bits << 32 | position; -1 empty).
 
     Returns (values fp32 [R, k], positions int64 [R, k]) ordered by value descending, ties by position
     ascending, NaN above +inf and -0.0 == +0.0, values canonical (NaN as 0x7FC00000, -0.0 as +0.0).
     Every row must hold at least k entries. With ``used = (counts, C)`` slots [counts[r], C) of row r
     are unused, whatever they hold (counts must not exceed C: nothing checks it on the device).
-    sorted=False: the same k entries per row, in the order of their slots.
+    sorted=False: the same k entries per row, in the order of their slots. row_lists (with used): the
+    selection's working lists go into the unused slots, which then hold other garbage.
     """
-    values, indices, _ = select_sorted(buf, k, used=used, sort=sorted)
+    values, indices, _ = select_sorted(buf, k, used=used, sort=sorted, row_lists=row_lists)
     return values, indices
 
 

@@ -43,7 +43,7 @@ from .filter_kernels import (
     sample_kernel,
     threshold_kernel,
 )
-from .final_select import decode, select_composites, select_rows, select_rows_reference, sort_width
+from .final_select import decode, lists_fit_rows, select_composites, select_rows, select_rows_reference, sort_width
 from .reference import Visibility, order_key
 from .score_tile import act_kind, block_d, precision
 from .select_kernels import PASSES, recover_kernel
@@ -211,12 +211,19 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
         # tests/kernels/test_final_select.py checks it against this reference bit for bit
         values, indices = select_rows_reference(buf, k, used)
     elif sorted and sort_width(k) == 0:  # past the in-kernel sort: free the buffer before torch.sort
-        comp, _ = select_composites(buf, k, used=used)
+        comp, _ = select_composites(buf, k, used=used, row_lists=row_lists(k, pb.S, buf.shape[1]))
         del buf
         values, indices = decode(torch.sort(comp, dim=1, descending=True).values)
     else:
-        values, indices = select_rows(buf, k, used, sorted=sorted)
+        values, indices = select_rows(buf, k, used, sorted=sorted, row_lists=row_lists(k, pb.S, buf.shape[1]))
     return values.view(B, T, k), indices.view(B, T, k)
+
+
+def row_lists(k: int, S: int, width: int) -> bool:
+    """Whether the final select keeps its lists in the rows' unused slots (no scratch memory): only
+    after sampling, where a row uses about ``target`` of its C slots; without it a row may fill them."""
+    target, cap, _ = sizes(k, S)
+    return S > cap and lists_fit_rows(k, width, cap - target)
 
 
 def candidates(pb: _Problem, k: int) -> tuple[Tensor, tuple[Tensor, int]]:
