@@ -186,14 +186,17 @@ def _emit(ptr, n, seam, jump, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TP
 
 
 @triton.jit
-def _select_list_in_registers(lst, n, need, lo, hi, dst, LREG: tl.constexpr, TPB: tl.constexpr):
-    """_kth and _emit over a list of n <= LREG composites loaded once: each bisection pass is then
-    register work and one block reduction, not a reread of the list (LREG = 0: never called)."""
+def _kth_in_registers(lst, n, need, lo, hi, LREG: tl.constexpr):
+    """_kth over a list of n <= LREG composites loaded once: each bisection pass is then register work
+    and one block reduction, not a reread of the list (LREG = 0: never called). The emit that follows
+    reads the list from memory again: done from the tile, its 64-bit store addresses would double
+    the registers."""
     if LREG > 0:
         j = tl.arange(0, LREG)
         tile = tl.load(lst + j, mask=j < n, other=_MIN)
-        K, V = _kth(lst, n, n, 0, need, lo, hi, tile, False, LREG, True)
-        _emit_chunk(tile, K, V, dst, TPB)
+        return _kth(lst, n, n, 0, need, lo, hi, tile, False, LREG, True)
+    else:
+        return tl.zeros((), dtype=tl.int32), tl.zeros((), dtype=tl.int32)
 
 
 @triton.jit
@@ -292,10 +295,10 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
         tl.debug_barrier()  # the list is read below, and the slow path rewrites the slots written above
         if fast:
             if n_mid <= LREG:  # never with LREG = 0: the fast path has n_mid >= 1
-                _select_list_in_registers(scr, n_mid, k - n_hi, lo, hi, dst + n_hi, LREG, TPB)
+                K, V = _kth_in_registers(scr, n_mid, k - n_hi, lo, hi, LREG)
             else:
                 K, V = _kth(scr, n_mid, n_mid, 0, k - n_hi, lo, hi, 0, False, LCH, False)
-                _emit(scr, n_mid, n_mid, 0, K, V, dst + n_hi, False, LCH, TPB)
+            _emit(scr, n_mid, n_mid, 0, K, V, dst + n_hi, False, LCH, TPB)
         else:  # the whole buffer is the list
             K, V = _kth(src, n, seam, jump, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), 0, True,
                         CH, False)
