@@ -372,7 +372,7 @@ def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used,
     assert counts.dtype in (torch.int8, torch.int32) and counts.shape == (R,) and 0 <= C <= W, "used: int32 [R], C"
     assert used is not None or not row_lists, "row_lists: the lists live in the unused slots that used names"
     nprog = min(R, _programs(buf.device))
-    scratch = fast if row_lists else torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)
+    scratch = buf if row_lists else torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)  # int64 either way
     next_row = torch.zeros(1, dtype=torch.int32, device=buf.device)
     final_select_kernel[(nprog,)](buf, counts, out, out if values is None else values, scratch, fast, next_row, R, W,
                                   C, k, cap, i_hi, i_lo, S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps,
