@@ -86,14 +86,18 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
             row[name] = f"failed: {str(e)[:200]}"
     pb.tile = dataclasses.replace(pb.tile, append=score_tile.TILE.append)
     full, used = hytopk.candidates(pb, k)
+    rl = hytopk.row_lists(k, S, full.shape[1])  # as select runs it
     row["final_torch_ms"] = bench(lambda: final_select.select_rows_reference(full, k, used))
-    row["final_kernel_ms"] = bench(lambda: final_select.select_rows(full, k, used))
-    # the final select's variants: in-kernel sort at 4 and 8 warps, or composites + torch.sort + decode
-    row["final_kernel_8warps_ms"] = bench(lambda: final_select.select_sorted(full, k, used=used, warps=8))
-    row["final_unsorted_ms"] = bench(lambda: final_select.select_sorted(full, k, used=used, sort=False))
-    comp, fast = final_select.select_composites(full, k, used=used)
+    row["final_kernel_ms"] = bench(lambda: final_select.select_rows(full, k, used, row_lists=rl))
+    # the final select's variants: scratch lists per program, in-kernel sort at 8 warps, unsorted,
+    # or composites + torch.sort + decode
+    row["final_kernel_program_lists_ms"] = bench(lambda: final_select.select_rows(full, k, used))
+    row["final_kernel_8warps_ms"] = bench(lambda: final_select.select_sorted(full, k, used=used, warps=8,
+                                                                             row_lists=rl))
+    row["final_unsorted_ms"] = bench(lambda: final_select.select_sorted(full, k, used=used, sort=False, row_lists=rl))
+    comp, fast = final_select.select_composites(full, k, used=used, row_lists=rl)
     row["final_fast_path_rows"] = int(fast.sum())
-    row["final_select_kernel_ms"] = bench(lambda: final_select.select_composites(full, k, used=used))
+    row["final_select_kernel_ms"] = bench(lambda: final_select.select_composites(full, k, used=used, row_lists=rl))
     row["final_sort_ms"] = bench(lambda: torch.sort(comp, dim=1, descending=True))
     srt = torch.sort(comp, dim=1, descending=True).values
     row["final_decode_ms"] = bench(lambda: final_select.decode(srt))

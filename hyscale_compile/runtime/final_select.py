@@ -9,8 +9,9 @@ bits high, position low, -1 empty. They rank by the unique (value, position) com
 Per row, in one program:
     pivots -> two entries of a strided sample of the row (sorted): hi ranks above the k-th, lo below
     split  -> one pass over the row: entries >= hi are winners, written to the row's output slots;
-              entries in [lo, hi) go to a list (about 3k of 13824 at k = 2048): the program's scratch,
-              or (row_lists) the row's own unused candidate slots, so the select needs no memory
+              entries in [lo, hi) go to a list (about 2k of 13824 at k = 2048): the program's
+              scratch, or (row_lists) the row's own unused candidate slots, and where those are
+              short, a list of a small shared pool: the select then needs almost no memory
     select -> the k-th of the list by bisection over counts: its key first, then (only if entries of
               that key straddle it) the position among them; every pass is 32-bit work
     emit   -> the list entries that rank at or above it fill the remaining output slots
@@ -34,11 +35,10 @@ from .reference import order_key as order_key_ref
 from .score_tile import INT64_MIN, composite, order_key
 
 INT64_MAX = 2**63 - 1
-SAMPLE = 256  # sample entries per row for the pivots
+SAMPLE = 512  # sample entries per row for the pivots
 CHUNK = 1024  # entries per step of the pass over a row
 LIST_CHUNK = 512  # entries per step over a scratch list
 SORT_MAX = 2048  # widest in-kernel sort of a row's winners (16 int64 registers a thread at 4 warps)
-LIST_REGS_MAX = 4096  # longest list held in registers for its bisection (32 int64 registers a thread at 4 warps)
 MARGIN_SD = 4.5  # pivot ranks this many standard deviations of the sample rank away from the k-th
 
 _MIN = tl.constexpr(INT64_MIN)
@@ -71,37 +71,28 @@ def _comps(ptr, offs, n, seam, jump, RAW: tl.constexpr):
 
 
 @triton.jit
-def _tally(x, t, K, TIES: tl.constexpr):
-    """Per entry of x: (v >= t as int32, v where >= t else INT32_MAX, v where < t else INT32_MIN), v = the
-    entry's key, or (TIES) minus the position of an entry with key K (others count nowhere)."""
-    if TIES:
-        ok = (x >> 32).to(tl.int32) == K
-        v = x.to(tl.int32) + 1  # the low word 0xFFFFFFFF - pos is -1 - pos as int32
-        ge = ok & (v >= t)
-        lt = ok & (v < t)
-    else:
-        v = (x >> 32).to(tl.int32)  # empties and padding have key INT32_MIN, below every bound
-        ge = v >= t
-        lt = v < t
-    return ge.to(tl.int32), tl.where(ge, v, _I32_MAX), tl.where(lt, v, _I32_MIN)
+def _scan(ptr, n, seam, jump, t, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
+    """One pass over v = each entry's key, or (TIES) minus the position of each entry with key K.
 
-
-@triton.jit
-def _scan(ptr, n, seam, jump, t, K, tile, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr,
-          REG: tl.constexpr):
-    """One pass over the entries (REG: the composites in the register tile, else ptr[0:n], see _comps):
-    #(v >= t), the smallest of those v and the largest v below t (see _tally); all 32-bit work.
+    Returns #(v >= t), the smallest of those v and the largest v below t; all 32-bit work.
     """
-    if REG:
-        return tl.reduce(_tally(tile, t, K, TIES), 0, _sum_min_max)
     cnt = tl.zeros((CH,), dtype=tl.int32)  # reduced once, at the end of the pass
     above = tl.full((CH,), _I32_MAX, tl.int32)
     below = tl.full((CH,), _I32_MIN, tl.int32)
     for c0 in range(0, n, CH):
-        c, a, b = _tally(_comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW), t, K, TIES)
-        cnt += c
-        above = tl.minimum(above, a)
-        below = tl.maximum(below, b)
+        x = _comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW)
+        if TIES:
+            ok = (x >> 32).to(tl.int32) == K
+            v = x.to(tl.int32) + 1  # the low word 0xFFFFFFFF - pos is -1 - pos as int32
+            ge = ok & (v >= t)
+            lt = ok & (v < t)
+        else:
+            v = (x >> 32).to(tl.int32)  # empties and padding have key INT32_MIN, below every bound
+            ge = v >= t
+            lt = v < t
+        cnt += ge.to(tl.int32)
+        above = tl.minimum(above, tl.where(ge, v, _I32_MAX))
+        below = tl.maximum(below, tl.where(lt, v, _I32_MIN))
     return tl.reduce((cnt, above, below), 0, _sum_min_max)  # one block reduction for the three
 
 
@@ -111,8 +102,7 @@ def _sum_min_max(c0, a0, b0, c1, a1, b1):
 
 
 @triton.jit
-def _bisect(ptr, n, seam, jump, need, lo, hi, K, tile, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr,
-            REG: tl.constexpr):
+def _bisect(ptr, n, seam, jump, need, lo, hi, K, RAW: tl.constexpr, CH: tl.constexpr, TIES: tl.constexpr):
     """The need-th largest v (see _scan), given #(v >= lo) >= need and no v >= hi (int64 bounds).
 
     Bisection that moves each bound onto a value present, so it takes about log2(distinct values)
@@ -121,8 +111,7 @@ def _bisect(ptr, n, seam, jump, need, lo, hi, K, tile, RAW: tl.constexpr, CH: tl
     exact = tl.zeros((), dtype=tl.int32)
     n_hi = tl.zeros((), dtype=tl.int32)
     while hi - lo > 1:
-        cnt, above, below = _scan(ptr, n, seam, jump, (lo + (hi - lo) // 2).to(tl.int32), K, tile, RAW, CH, TIES,
-                                  REG)
+        cnt, above, below = _scan(ptr, n, seam, jump, (lo + (hi - lo) // 2).to(tl.int32), K, RAW, CH, TIES)
         if cnt >= need:
             lo = above.to(tl.int64)
             if cnt == need:  # the need largest are exactly those counted: the smallest of them is it
@@ -135,20 +124,18 @@ def _bisect(ptr, n, seam, jump, need, lo, hi, K, tile, RAW: tl.constexpr, CH: tl
 
 
 @triton.jit
-def _kth(ptr, n, seam, jump, need, lo, hi, tile, RAW: tl.constexpr, CH: tl.constexpr, REG: tl.constexpr):
-    """(K, V): the need largest entries of ptr[0:n] (REG: of the register tile) are those with key > K, or
-    key K and -position >= V.
+def _kth(ptr, n, seam, jump, need, lo, hi, RAW: tl.constexpr, CH: tl.constexpr):
+    """(K, V): the need largest entries of ptr[0:n] are those with key > K, or key K and -position >= V.
 
     Needs every entry below the composite hi and at least need of them at or above lo. The key comes
     first; positions only matter when the entries of key K straddle the need-th.
     """
     lo_key = tl.maximum(lo >> 32, _I32_MIN + 1)  # empties and padding (key INT32_MIN) never count
-    key, exact, above = _bisect(ptr, n, seam, jump, need, lo_key, ((hi - 1) >> 32) + 1, 0, tile, RAW, CH, False,
-                                REG)
+    key, exact, above = _bisect(ptr, n, seam, jump, need, lo_key, ((hi - 1) >> 32) + 1, 0, RAW, CH, False)
     v = tl.full((), _I32_MIN, tl.int64)  # a count was exact: every entry of key K is in
     if exact == 0:  # positions are below 2**31 - 1, so -position lies in [INT32_MIN + 1, 1)
         v = _bisect(ptr, n, seam, jump, need - above, tl.full((), _I32_MIN + 1, tl.int64), tl.full((), 1, tl.int64),
-                    key.to(tl.int32), tile, RAW, CH, True, REG)[0]
+                    key.to(tl.int32), RAW, CH, True)[0]
     return key.to(tl.int32), v.to(tl.int32)
 
 
@@ -168,35 +155,16 @@ def _slots(f, TPB: tl.constexpr):
 
 
 @triton.jit
-def _emit_chunk(x, K, V, dst, TPB: tl.constexpr):
-    """Write the composites of x selected by (K, V) (see _kth) to dst[0:], in no particular order; their number."""
-    key = (x >> 32).to(tl.int32)
-    sel = (key > K) | ((key == K) & (x.to(tl.int32) + 1 >= V))
-    slot, tot = _slots(sel.to(tl.int32), TPB)
-    tl.store(dst + slot, x, mask=sel)
-    return tot
-
-
-@triton.jit
 def _emit(ptr, n, seam, jump, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TPB: tl.constexpr):
     """Write the entries of the row (see _comps) selected by (K, V) (see _kth) to dst[0:], in no particular order."""
     base = tl.zeros((), dtype=tl.int32)
     for c0 in range(0, n, CH):
-        base += _emit_chunk(_comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW), K, V, dst + base, TPB)
-
-
-@triton.jit
-def _kth_in_registers(lst, n, need, lo, hi, LREG: tl.constexpr):
-    """_kth over a list of n <= LREG composites loaded once: each bisection pass is then register work
-    and one block reduction, not a reread of the list (LREG = 0: never called). The emit that follows
-    reads the list from memory again: done from the tile, its 64-bit store addresses would double
-    the registers."""
-    if LREG > 0:
-        j = tl.arange(0, LREG)
-        tile = tl.load(lst + j, mask=j < n, other=_MIN)
-        return _kth(lst, n, n, 0, need, lo, hi, tile, False, LREG, True)
-    else:
-        return tl.zeros((), dtype=tl.int32), tl.zeros((), dtype=tl.int32)
+        x = _comps(ptr, c0 + tl.arange(0, CH), n, seam, jump, RAW)
+        key = (x >> 32).to(tl.int32)
+        sel = (key > K) | ((key == K) & (x.to(tl.int32) + 1 >= V))
+        slot, tot = _slots(sel.to(tl.int32), TPB)
+        tl.store(dst + base + slot, x, mask=sel)
+        base += tot
 
 
 @triton.jit
@@ -245,18 +213,20 @@ def sort_decode_kernel(comp_ptr, val_ptr, k, KP: tl.constexpr):
 # of the scattered stores (no re-layout through shared memory between them).
 @triton.jit(do_not_specialize=["W", "cap"])
 def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, next_ptr, R, W, C, k, cap, i_hi,
-                        i_lo, S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr,
-                        USED: tl.constexpr, FINISH: tl.constexpr, ROW_LISTS: tl.constexpr, LREG: tl.constexpr):
+                        i_lo, room, npool, S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr,
+                        TPB: tl.constexpr, USED: tl.constexpr, FINISH: tl.constexpr, ROW_LISTS: tl.constexpr):
     """out[r, :k] = the k largest composites of raw row r, unsorted; fast[r] = 1 where the pivots held.
 
     With USED, only the first used[r] of the row's first C slots hold entries (the rest is never read).
     FINISH then decodes each row's winners in place, val[r, :k] the canonical values and out[r, :k]
     the positions (int64); without it they stay composites (sort_decode_kernel sorts and decodes them).
     Unsorted, they come in the order of the row's slots (which the filter's atomics decided).
-    Programs take rows from an atomic counter (next_ptr, zeroed), so a slow row holds up no other,
-    and each keeps one scratch list of ``cap`` entries for all its rows; with ROW_LISTS (needs USED)
-    there is no scratch: a row's list lives in its own unused slots [used[r], C), which the pass never
-    reads, and a row whose list does not fit there selects over its whole buffer (still intact).
+    Programs take rows from an atomic counter (next_ptr[0], zeroed), so a slow row holds up no other,
+    and each keeps one scratch list of ``cap`` entries for all its rows. With ROW_LISTS (needs USED)
+    a row's list lives in its own unused slots [used[r], C), which the pass never reads; a row with
+    fewer than ``room`` of them takes one of the npool lists of scr (cap entries each, counter
+    next_ptr[1], zeroed) while any is left. A row whose list does not fit selects over its whole
+    buffer, which the lists never touch.
     """
     scr = scr_ptr + tl.program_id(0).to(tl.int64) * cap
     lcap = cap
@@ -272,6 +242,11 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
             if ROW_LISTS:
                 scr = src + seam
                 lcap = C - seam
+                if lcap < room:
+                    pl = tl.atomic_add(next_ptr + 1, 1, sem="relaxed")
+                    if pl < npool:
+                        scr = scr_ptr + pl.to(tl.int64) * cap
+                        lcap = cap
         p = (j.to(tl.int64) * W) // S  # the pivots sample the physical row: unused slots count as empty
         samp = tl.sort(_raw_comps(src, p, (p < seam) | (p >= C)), descending=True)
         hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
@@ -294,14 +269,11 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
         tl.store(fast_ptr + row, fast.to(tl.int8))
         tl.debug_barrier()  # the list is read below, and the slow path rewrites the slots written above
         if fast:
-            if n_mid <= LREG:  # never with LREG = 0: the fast path has n_mid >= 1
-                K, V = _kth_in_registers(scr, n_mid, k - n_hi, lo, hi, LREG)
-            else:
-                K, V = _kth(scr, n_mid, n_mid, 0, k - n_hi, lo, hi, 0, False, LCH, False)
+            K, V = _kth(scr, n_mid, n_mid, 0, k - n_hi, lo, hi, False, LCH)
             _emit(scr, n_mid, n_mid, 0, K, V, dst + n_hi, False, LCH, TPB)
         else:  # the whole buffer is the list
-            K, V = _kth(src, n, seam, jump, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), 0, True,
-                        CH, False)
+            K, V = _kth(src, n, seam, jump, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), True,
+                        CH)
             _emit(src, n, seam, jump, K, V, dst, True, CH, TPB)
         if FINISH:
             _decode_in_place(dst, val_ptr + row * k, k, LCH)
@@ -326,20 +298,27 @@ def pivot_ranks(k: int, W: int, S: int = SAMPLE) -> tuple[int, int, int]:
     return i_hi, i_lo, max(1, min(W, int(2 * between) + 64))
 
 
+def list_room(k: int, W: int, S: int = SAMPLE) -> int:
+    """Unused slots a row needs to hold its own list: the expected count between the pivots and three
+    of its standard deviations (it varies by about 1/sqrt(ranks between) of itself)."""
+    i_hi, i_lo, _ = pivot_ranks(k, W, S)
+    ranks = max(1, min(i_lo, S - 1) - max(i_hi, -1))
+    between = ranks * W / S
+    return math.ceil(between + 3 * between / math.sqrt(ranks)) + 64
+
+
 def lists_fit_rows(k: int, W: int, room: int, S: int = SAMPLE) -> bool:
-    """Whether rows with about ``room`` unused candidate slots can hold their own lists (row_lists):
-    the room must pass the expected list (the entries between the pivots, ``pivot_ranks``) by half of
-    it again. A row whose list is longer selects over its whole buffer: exact, a few times slower."""
-    between = (pivot_ranks(k, W, S)[2] - 64) // 2
-    return room >= between + between // 2 + 64
+    """Whether rows with about ``room`` unused candidate slots (the typical row) can hold their own
+    lists (row_lists); a row with less than ``list_room`` takes a list from the pool."""
+    return room >= list_room(k, W, S)
 
 
-def list_regs(k: int, W: int, S: int = SAMPLE) -> int:
-    """The register tile for a row's list (a power of two, 0 for none): room for the expected list
-    (``pivot_ranks``) and a quarter more; a longer list is bisected from memory, chunk by chunk."""
-    between = (pivot_ranks(k, W, S)[2] - 64) // 2
-    lreg = triton.next_power_of_2(max(16, between + between // 4))
-    return lreg if lreg <= LIST_REGS_MAX else 0
+def pool_lists(R: int) -> int:
+    """Lists of the pool for rows short of room: one for every 16 rows. H200, k = 2048, 512 samples:
+    at (2048, 524288) used slots are 7255 on average, 10884 at most, and 15 of 2048 rows had too
+    little room for their lists (0 of 4096 at (4096, 131072)); each such row without a pool list
+    selects over its whole buffer, and a few of them add ~0.1 ms at the end of the kernel."""
+    return max(16, R // 16)
 
 
 def _programs(device: torch.device) -> int:
@@ -354,7 +333,7 @@ Used = tuple[Tensor, int] | None  # (int32 [R] counts, C): only the first counts
 
 def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used, sample: int,
             ranks: tuple[int, int] | None, cap: int | None, chunk: int, list_chunk: int, warps: int,
-            row_lists: bool, lreg: int | None) -> Tensor:
+            row_lists: bool, pool: int | None) -> Tensor:
     """Run the kernel over every row of buf into out: composites, or with values decoded winners (unsorted);
     returns the fast flags."""
     R, W = buf.shape
@@ -363,8 +342,6 @@ def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used,
     i_hi, i_lo, default_cap = pivot_ranks(k, W, sample)
     i_hi, i_lo = ranks if ranks is not None else (i_hi, i_lo)
     cap = default_cap if cap is None else cap
-    lreg = (list_regs(k, W, sample) and max(list_regs(k, W, sample), 32 * warps)) if lreg is None else lreg
-    assert lreg == 0 or (lreg & (lreg - 1) == 0 and lreg % (32 * warps) == 0), "list_regs: 0 or a power of two"
     fast = torch.empty(R, dtype=torch.int8, device=buf.device)
     if R == 0:
         return fast
@@ -372,28 +349,29 @@ def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used,
     assert counts.dtype in (torch.int8, torch.int32) and counts.shape == (R,) and 0 <= C <= W, "used: int32 [R], C"
     assert used is not None or not row_lists, "row_lists: the lists live in the unused slots that used names"
     nprog = min(R, _programs(buf.device))
-    scratch = buf if row_lists else torch.empty(nprog, cap, dtype=torch.int64, device=buf.device)  # int64 either way
-    next_row = torch.zeros(1, dtype=torch.int32, device=buf.device)
-    final_select_kernel[(nprog,)](buf, counts, out, out if values is None else values, scratch, fast, next_row, R, W,
-                                  C, k, cap, i_hi, i_lo, S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps,
-                                  USED=used is not None, FINISH=values is not None, ROW_LISTS=row_lists,
-                                  LREG=lreg, num_warps=warps)
+    npool = (pool_lists(R) if pool is None else pool) if row_lists else nprog
+    scratch = torch.empty(max(1, npool), cap, dtype=torch.int64, device=buf.device)
+    counters = torch.zeros(2, dtype=torch.int32, device=buf.device)  # next row, next pool list
+    final_select_kernel[(nprog,)](buf, counts, out, out if values is None else values, scratch, fast, counters, R, W,
+                                  C, k, cap, i_hi, i_lo, list_room(k, W, sample), npool, S=sample, CH=chunk,
+                                  LCH=list_chunk, TPB=32 * warps, USED=used is not None, FINISH=values is not None,
+                                  ROW_LISTS=row_lists, num_warps=warps)
     return fast
 
 
 def select_composites(buf: Tensor, k: int, *, used: Used = None, sample: int = SAMPLE,
                       ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
                       list_chunk: int = LIST_CHUNK, warps: int = 4, row_lists: bool = False,
-                      lreg: int | None = None) -> tuple[Tensor, Tensor]:
+                      pool: int | None = None) -> tuple[Tensor, Tensor]:
     """(composites [R, k] of each row's top k, unsorted; int8 [R], 1 where the row took the fast path).
 
     Pivot ranks and list size default to ``pivot_ranks``; tests set them to force either path (and
     small samples and chunks: the interpreter's sort is slow, and small chunks exercise the loops).
-    row_lists: each row's list in its own unused slots (see ``lists_fit_rows``), no scratch memory.
-    lreg: the register tile for lists (``list_regs`` by default; 0: always bisect from memory).
+    row_lists: each row's list in its own unused slots, or one of ``pool`` (default ``pool_lists``)
+    shared lists where those are short, instead of a scratch list per program.
     """
     out = torch.empty(buf.shape[0], k, dtype=torch.int64, device=buf.device)
-    return out, _launch(buf, k, out, None, used, sample, ranks, cap, chunk, list_chunk, warps, row_lists, lreg)
+    return out, _launch(buf, k, out, None, used, sample, ranks, cap, chunk, list_chunk, warps, row_lists, pool)
 
 
 def sort_width(k: int) -> int:
@@ -412,7 +390,7 @@ def sort_warps(kp: int) -> int:
 def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, sample: int = SAMPLE,
                   ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
                   list_chunk: int = LIST_CHUNK, warps: int = 4, row_lists: bool = False,
-                  lreg: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  pool: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(values fp32 [R, k], positions int64 [R, k], fast flags): ``select_rows`` with the knobs above.
 
     Up to SORT_MAX winners are sorted and decoded by ``sort_decode_kernel`` in the positions' memory
@@ -421,7 +399,7 @@ def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, 
     in the order of the row's slots (the sort is about half the time at k=2048).
     """
     kw = dict(used=used, sample=sample, ranks=ranks, cap=cap, chunk=chunk, list_chunk=list_chunk, warps=warps,
-              row_lists=row_lists, lreg=lreg)
+              row_lists=row_lists, pool=pool)
     if sort and sort_width(k) == 0:
         comp, fast = select_composites(buf, k, **kw)
         return (*decode(torch.sort(comp, dim=1, descending=True).values), fast)

@@ -52,16 +52,12 @@ def rows_of(values, R: int, W: int, n_valid, *, seed: int, max_pos: int | None =
 
 def check(buf: torch.Tensor, k: int, fast: bool | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """select == reference, bit for bit: with kw both the in-kernel sort (select_sorted) and the
-    composites through torch.sort (select_composites, lists in registers and in memory); without kw
-    select_rows."""
+    composites through torch.sort (select_composites); without kw select_rows."""
     ref_v, ref_i = fs.select_rows_reference(buf, k, kw.get("used"))
     if kw:
         comp, took = fs.select_composites(buf, k, **kw)
         results = [(*fs.decode(torch.sort(comp, dim=1, descending=True).values), took)]
         results.append(fs.select_sorted(buf, k, **kw))
-        if "lreg" not in kw:  # lists bisected from memory as well as in a register tile
-            comp, took = fs.select_composites(buf, k, **dict(kw, lreg=0))
-            results.append((*fs.decode(torch.sort(comp, dim=1, descending=True).values), took))
     else:
         results = [(*fs.select_rows(buf, k), None)]
     for values, indices, took in results:
@@ -238,38 +234,39 @@ def test_unused_slots_are_never_read():
     assert torch.equal(v2.view(torch.int32), r2[0].view(torch.int32)) and torch.equal(i2, r2[1])
 
 
-def test_row_lists_live_in_the_unused_slots():
-    """row_lists: each row's list in its own slots [counts[r], C), no scratch. The slots it reads stay
-    as they were; a row whose list does not fit its unused slots selects over its whole buffer."""
-    R, W, C, k = 3, 200, 160, 10
+@pytest.mark.parametrize("case", ["rooms", "pool", "no_pool"])
+def test_row_lists(case):
+    """row_lists: each row's list in its own unused slots [counts[r], C), or where fewer than list_room
+    of those are left, in a list of the pool; with no pool list left such a row selects over its whole
+    buffer. Every path is exact, and the slots the select reads stay as they were."""
+    R, W, C, k = 3, 300, 260, 10
+    room = fs.list_room(k, W, SMALL["sample"])
+    counts, fast, pool, ranks = {
+        "rooms": ([20, 30, C - room], True, 0, None),  # every row has room (the last exactly enough)
+        "pool": ([150, 250, C], True, R, (-1, 31)),  # none has: each takes a pool list
+        "no_pool": ([150, 250, C], False, 0, (-1, 31)),  # nor a pool list: the whole row
+    }[case]
     g = torch.Generator().manual_seed(34)
-    values = torch.randint(-6, 7, (R, W), generator=g) / 2  # ties at the k-th
-    for counts, fast, ranks in (([20, 40, 60], True, None),  # room 140, 120, 100: every list fits
-                                ([150, 155, 160], False, (-1, 31))):  # room 10, 5, 0: lists of ~all entries
-        buf = rows_of(values, R, W, W, seed=35)
-        counts_t = torch.tensor(counts, dtype=torch.int32).to(DEV)
-        kept = ((torch.arange(W) < counts_t.cpu().view(-1, 1)) | (torch.arange(W) >= C)).to(DEV)
-        before = buf.clone()
-        kw = dict(SMALL, used=(counts_t, C), row_lists=True, ranks=ranks)
-        check(buf, k, fast=fast, **kw)
-        assert torch.equal(buf[kept], before[kept])
-        if fast:
-            assert not torch.equal(buf, before)  # the lists did go into the unused slots
+    buf = rows_of(torch.randint(-6, 7, (R, W), generator=g) / 2, R, W, W, seed=35)  # ties at the k-th
+    counts_t = torch.tensor(counts, dtype=torch.int32).to(DEV)
+    read = ((torch.arange(W) < counts_t.cpu().view(-1, 1)) | (torch.arange(W) >= C)).to(DEV)
+    before = buf.clone()
+    check(buf, k, fast=fast, **dict(SMALL, used=(counts_t, C), row_lists=True, pool=pool, ranks=ranks, cap=W))
+    assert torch.equal(buf[read], before[read])
+    assert torch.equal(buf, before) == (case == "pool")  # a row with a pool list writes nothing in its own slots
+
+
+def test_row_lists_need_used_and_the_rule_picks_them():
+    buf = rows_of(torch.randn(2, 50), 2, 50, 50, seed=36)
     with pytest.raises(AssertionError, match="row_lists"):
-        fs.select_composites(buf, k, row_lists=True, **SMALL)
-
-
-def test_row_lists_rule():
-    """Lists go into the rows only where the rows were sampled down to ~target candidates and the room
-    left passes the expected list by half again."""
+        fs.select_composites(buf, 5, row_lists=True, **SMALL)
     from hyscale_compile.runtime import hytopk
     for k, S in ((2048, 131072), (2048, 524288), (512, 262144), (16, 2**20), (1024, 65536)):
         target, cap, _ = hytopk.sizes(k, S)
-        assert hytopk.row_lists(k, S, cap + k), (k, S)
-        assert fs.lists_fit_rows(k, cap + k, cap - target)
+        assert hytopk.row_lists(k, S, cap + k), (k, S)  # sampled: a row uses about target of its C slots
     assert not hytopk.row_lists(2048, 8000, 8000 + 2048)  # not sampled: a row may fill all its slots
-    assert not fs.lists_fit_rows(2048, 13824, 3000)  # ~2970 between the pivots: no margin
-    assert fs.lists_fit_rows(2048, 13824, 4608)
+    assert fs.lists_fit_rows(2048, 13824, fs.list_room(2048, 13824))
+    assert not fs.lists_fit_rows(2048, 13824, fs.list_room(2048, 13824) - 1)
 
 
 def _row_sorted(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
