@@ -219,7 +219,7 @@ def stage_times(pb, k: int, select) -> dict:
                compare_only_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap, MODE_COUNT, sink)), 3),
                filter_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap)), 3))
     full, used = hytopk.candidates(pb, k)
-    rl = hytopk.row_lists(k, pb.S, full.shape[1])  # as select runs it
+    rl = hytopk.row_lists(k, pb.S, full.shape[1], pb.vis)  # as select runs it
     out["final_select_ms"] = round(bench(lambda: final_select.select_rows(full, k, used, row_lists=rl)), 3)
     return out
 

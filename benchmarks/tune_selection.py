@@ -86,7 +86,7 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
             row[name] = f"failed: {str(e)[:200]}"
     pb.tile = dataclasses.replace(pb.tile, append=score_tile.TILE.append)
     full, used = hytopk.candidates(pb, k)
-    rl = hytopk.row_lists(k, S, full.shape[1])  # as select runs it
+    rl = hytopk.row_lists(k, S, full.shape[1], vis)  # as select runs it
     row["final_torch_ms"] = bench(lambda: final_select.select_rows_reference(full, k, used))
     row["final_kernel_ms"] = bench(lambda: final_select.select_rows(full, k, used, row_lists=rl))
     # the final select's variants: scratch lists per program, in-kernel sort at 8 warps, unsorted,
@@ -102,8 +102,10 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
     srt = torch.sort(comp, dim=1, descending=True).values
     row["final_decode_ms"] = bench(lambda: final_select.decode(srt))
     ref_sel = final_select.select_rows_reference(full, k, used)
-    row["final_kernel_same"] = same(final_select.select_rows(full, k, used), ref_sel)
-    row["final_kernel_8warps_same"] = same(final_select.select_sorted(full, k, used=used, warps=8)[:2], ref_sel)
+    row["final_kernel_same"] = same(final_select.select_rows(full, k, used, row_lists=rl), ref_sel)
+    row["final_kernel_program_lists_same"] = same(final_select.select_rows(full, k, used), ref_sel)
+    row["final_kernel_8warps_same"] = same(final_select.select_sorted(full, k, used=used, warps=8, row_lists=rl)[:2],
+                                           ref_sel)
     row["final_unsorted_same"] = same(final_select.decode(srt), ref_sel)
 
     def sel():

@@ -11,7 +11,7 @@ Per row, in one program:
     split  -> one pass over the row: entries >= hi are winners, written to the row's output slots;
               entries in [lo, hi) go to a list (about 2k of 13824 at k = 2048): the program's
               scratch, or (row_lists) the row's own unused candidate slots, and where those are
-              short, a list of a small shared pool: the select then needs almost no memory
+              short, a list of a small shared pool (about 2% of the buffer at k = 2048)
     select -> the k-th of the list by bisection over counts: its key first, then (only if entries of
               that key straddle it) the position among them; every pass is 32-bit work
     emit   -> the list entries that rank at or above it fill the remaining output slots
@@ -314,7 +314,8 @@ def lists_fit_rows(k: int, W: int, room: int, S: int = SAMPLE) -> bool:
 
 
 def pool_lists(R: int) -> int:
-    """Lists of the pool for rows short of room: one for every 16 rows. H200, k = 2048, 512 samples:
+    """Lists of the pool for rows short of room, which with row_lists chosen by ``hytopk.row_lists``
+    come from the spread of the threshold alone: one for every 16 rows. H200, k = 2048, 512 samples:
     at (2048, 524288) used slots are 7255 on average, 10884 at most, and 15 of 2048 rows had too
     little room for their lists (0 of 4096 at (4096, 131072)); each such row without a pool list
     selects over its whole buffer, and a few of them add ~0.1 ms at the end of the kernel."""

@@ -154,6 +154,7 @@ class _Problem:
         self.S = kx.shape[1]
         self.q, self.kx, self.w = _operands(q, kx, weights, float(scale))
         self.device = q.device
+        self.vis = vis
         dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
         self.lo, self.hi = ranges(vis, self.B, self.T, self.S, self.device)
         self.mask, mstr, self.bias, bstr = _aux(vis, self.B, self.T, self.S, dummy)
@@ -206,24 +207,33 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
     buf, used = candidates(pb, k)
+    lists = row_lists(k, pb.S, buf.shape[1], vis)
     if interpreting():
         # the interpreter runs the final kernel too slowly for whole-select tests;
         # tests/kernels/test_final_select.py checks it against this reference bit for bit
         values, indices = select_rows_reference(buf, k, used)
     elif sorted and sort_width(k) == 0:  # past the in-kernel sort: free the buffer before torch.sort
-        comp, _ = select_composites(buf, k, used=used, row_lists=row_lists(k, pb.S, buf.shape[1]))
+        comp, _ = select_composites(buf, k, used=used, row_lists=lists)
         del buf
         values, indices = decode(torch.sort(comp, dim=1, descending=True).values)
     else:
-        values, indices = select_rows(buf, k, used, sorted=sorted, row_lists=row_lists(k, pb.S, buf.shape[1]))
+        values, indices = select_rows(buf, k, used, sorted=sorted, row_lists=lists)
     return values.view(B, T, k), indices.view(B, T, k)
 
 
-def row_lists(k: int, S: int, width: int) -> bool:
+def row_lists(k: int, S: int, width: int, vis: Visibility) -> bool:
     """Whether the final select keeps its lists in the rows' unused slots (no scratch memory): only
-    after sampling, where a row uses about ``target`` of its C slots; without it a row may fill them."""
+    where every row's context passes the C slots, so that the threshold cut it to about ``target``
+    of them. A row of a shorter context keeps every key and may fill its slots (a causal prefill's
+    first C rows, windows): with many such rows the pool would run out and they would select over
+    their whole buffers, so those calls keep a scratch list per program. Known without looking at
+    the device: no windows, and a causal offset (none per batch) past C."""
     target, cap, _ = sizes(k, S)
-    return S > cap and lists_fit_rows(k, width, cap - target)
+    if S <= cap or vis.starts is not None or vis.ends is not None:
+        return False
+    if vis.causal and (vis.offsets is not None or vis.offset + 1 <= cap):  # row 0 sees offset + 1 keys
+        return False
+    return lists_fit_rows(k, width, cap - target)
 
 
 def candidates(pb: _Problem, k: int) -> tuple[Tensor, tuple[Tensor, int]]:

@@ -261,10 +261,24 @@ def test_row_lists_need_used_and_the_rule_picks_them():
     with pytest.raises(AssertionError, match="row_lists"):
         fs.select_composites(buf, 5, row_lists=True, **SMALL)
     from hyscale_compile.runtime import hytopk
+    from hyscale_compile.runtime.reference import Visibility
+
+    def rule(k, S, vis):
+        _, cap, _ = hytopk.sizes(k, S)
+        return hytopk.row_lists(k, S, cap + k, vis)
+
+    T = 4096
     for k, S in ((2048, 131072), (2048, 524288), (512, 262144), (16, 2**20), (1024, 65536)):
-        target, cap, _ = hytopk.sizes(k, S)
-        assert hytopk.row_lists(k, S, cap + k), (k, S)  # sampled: a row uses about target of its C slots
-    assert not hytopk.row_lists(2048, 8000, 8000 + 2048)  # not sampled: a row may fill all its slots
+        # every row sampled: queries at the end of a long context, or no causal limit at all
+        assert rule(k, S, Visibility(causal=True, offset=S - T)), (k, S)
+        assert rule(k, S, Visibility()), (k, S)
+    _, cap, _ = hytopk.sizes(2048, 131072)
+    assert rule(2048, 131072, Visibility(causal=True, offset=cap))  # row 0 sees cap + 1 keys
+    assert not rule(2048, 131072, Visibility(causal=True, offset=cap - 1))  # row 0 sees cap: not sampled
+    assert not rule(2048, 131072, Visibility(causal=True))  # a prefill: its first rows keep every key
+    assert not rule(2048, 131072, Visibility(causal=True, offset=10**6, offsets=torch.zeros(1)))  # unknown
+    assert not rule(2048, 131072, Visibility(starts=torch.zeros(1, T), ends=torch.full((1, T), 9000)))
+    assert not rule(2048, 8000, Visibility())  # not sampled at all: a row may fill all its slots
     assert fs.lists_fit_rows(2048, 13824, fs.list_room(2048, 13824))
     assert not fs.lists_fit_rows(2048, 13824, fs.list_room(2048, 13824) - 1)
 
