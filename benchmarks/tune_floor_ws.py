@@ -32,10 +32,11 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hyscale_compile.runtime import hytopk, score_tile  # noqa: E402
-from hyscale_compile.runtime.filter_kernels import MODE_FLOOR, block_kernel  # noqa: E402
+from hyscale_compile.runtime.filter_kernels import MODE_FLOOR  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import selection  # noqa: E402  (block_launch: the selection benchmark's own floor launch)
 import training  # noqa: E402  (write_results: the results file every benchmark here writes)
 
 SHAPES = [(4096, 131072, 16), (4096, 131072, 64)]  # T, S, H; D = 128, bf16, every key visible
@@ -135,13 +136,9 @@ def ours(shape: tuple[int, int, int], smoke: bool) -> dict:
     pb = hytopk._Problem(q, kx, w, D**-0.5, True, Visibility(), float("-inf"))
     split = hytopk.filter_split(pb)
     sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device=device)
-
-    def launch():
-        pb.launch(block_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, pb.lo, pb.lo, sink,
-                  pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, 0, pb.S, split, MODE=MODE_FLOOR)
-
-    launch()
-    return dict(ours_ms=bench(launch, smoke), tile=[score_tile.TILE.bt, score_tile.TILE.bs, score_tile.TILE.warps])
+    selection.block_launch(pb, MODE_FLOOR, sink, split)
+    ms = bench(lambda: selection.block_launch(pb, MODE_FLOOR, sink, split), smoke)
+    return dict(ours_ms=ms, tile=[score_tile.TILE.bt, score_tile.TILE.bs, score_tile.TILE.warps])
 
 
 def flops(T: int, S: int, H: int, D: int) -> float:

@@ -281,6 +281,12 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
         row = tl.atomic_add(next_ptr, 1, sem="relaxed").to(tl.int64)
 
 
+def _ranks_between(i_hi: int, i_lo: int, S: int) -> int:
+    """Sample ranks from just below the hi pivot to the lo pivot, clipped to the sample (a rank outside
+    [0, S) means no pivot there): each stands for W / S slots of the row."""
+    return min(i_lo, S - 1) - max(i_hi, -1)
+
+
 def pivot_ranks(k: int, W: int, S: int = SAMPLE) -> tuple[int, int, int]:
     """(i_hi, i_lo, cap): sample ranks (descending, 0-based) of the pivots and the scratch list size.
 
@@ -294,7 +300,7 @@ def pivot_ranks(k: int, W: int, S: int = SAMPLE) -> tuple[int, int, int]:
     margin = math.ceil(MARGIN_SD * math.sqrt(S * p * (1 - p)) + S / W) + 1  # S/W: a short row repeats in the sample
     i_hi = math.floor(k * S / W) - 1 - margin
     i_lo = math.ceil(k * S / W) - 1 + margin
-    between = (min(i_lo, S - 1) - max(i_hi, -1)) * W / S
+    between = _ranks_between(i_hi, i_lo, S) * W / S
     return i_hi, i_lo, max(1, min(W, int(2 * between) + 64))
 
 
@@ -302,7 +308,7 @@ def list_room(k: int, W: int, S: int = SAMPLE) -> int:
     """Unused slots a row needs to hold its own list: the expected count between the pivots and three
     of its standard deviations (it varies by about 1/sqrt(ranks between) of itself)."""
     i_hi, i_lo, _ = pivot_ranks(k, W, S)
-    ranks = max(1, min(i_lo, S - 1) - max(i_hi, -1))
+    ranks = max(1, _ranks_between(i_hi, i_lo, S))
     between = ranks * W / S
     return math.ceil(between + 3 * between / math.sqrt(ranks)) + 64
 
