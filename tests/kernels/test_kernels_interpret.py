@@ -351,7 +351,7 @@ def _threshold_reference(samp, msamp, lo, hi, target, C, M):
 
 
 def test_threshold_is_the_ranked_sample():
-    """The threshold kernel's radix select against a sort, on the real sample keys and on adversarial
+    """The threshold kernel's bisection against a sort, on the real sample keys and on adversarial
     ones: all equal, ties at the rank, keys sharing their top bytes, the int32 extremes, negatives."""
     T, S, M, target, C = 64, 1000, 300, 40, 16
     q, kx, w = inputs(B=1, T=T, S=S, seed=21)
