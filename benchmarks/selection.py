@@ -81,7 +81,7 @@ def useful_flops(T: int, S: int, H: int) -> float:
 
 def block_launch(pb, mode: int, out: torch.Tensor, split: int) -> None:
     pb.launch(block_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, pb.lo, pb.lo, out,
-              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, 0, pb.S, split, MODE=mode)
+              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, 0, pb.S, split, MODE=mode, **pb.block_extra)
 
 
 def eager_indexer(q, kx, w, k, scale, offset):

@@ -63,7 +63,7 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
 
     def floor():
         pb.launch(block_kernel, (split, 1, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, pb.lo, pb.lo, sink,
-                  pb.mask, pb.bias, T, S, H, pb.scale, pb.fill, 0, S, split, MODE=MODE_FLOOR)
+                  pb.mask, pb.bias, T, S, H, pb.scale, pb.fill, 0, S, split, MODE=MODE_FLOOR, **pb.block_extra)
 
     row["floor_ms"] = bench(floor)
     row["floor_tflops"] = useful_flops(T, S, H) / row["floor_ms"] / 1e9

@@ -39,11 +39,13 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                  ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
-                 APPEND: tl.constexpr = 1, ASM: tl.constexpr = False):
+                 APPEND: tl.constexpr = 1, ASM: tl.constexpr = False, TMA: tl.constexpr = False,
+                 q_desc=None, k_desc=None):
     """FILTER: append (value, position) entries passing the row threshold to the row's buffer.
 
     The threshold is compared as a float (x >= thr, or x is NaN: the order_key order without
     computing keys). Tiles inside every row's range, with no mask or bias, skip the range test.
+    TMA: q and kx through the descriptors of ``tma_views`` (2-D: rows b * T + t and b * S + s).
     """
     split = tl.program_id(0)  # fastest: the programs running together share one query block's q in L2
     b = tl.program_id(1).to(tl.int64)
@@ -64,11 +66,13 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
     if MODE >= 2:  # FILTER (and COUNT)
         thr = key_value(tl.load(thr_ptr + rid, mask=row_ok, other=0))
     sink = tl.zeros((BT,), dtype=tl.float32)
+    q_row0 = (b * T + pid_t * BT).to(tl.int32)
     for tile in range(tile0 + split, tile1, SPLIT):
         cols = tile * BS + tl.arange(0, BS).to(tl.int64)
         col_ok = cols < S
         acc = score_tile(q_ptr, kx_b, w_ptr, q_rows, w_rows, cols * sks, row_ok, col_ok,
-                         H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC)
+                         H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC,
+                         q_desc, k_desc, q_row0, (b * S + tile * BS).to(tl.int32), TMA)
         if MODE == 0:  # FLOOR: the arithmetic alone, one sum kept per row
             sink += tl.sum(acc, axis=1)
         elif MODE == 1:

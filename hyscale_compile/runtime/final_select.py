@@ -388,10 +388,13 @@ def sort_width(k: int) -> int:
 
 
 def sort_warps(kp: int) -> int:
-    """Warps of the sort kernel: 4 entries a thread, 4 to 16 warps. On the H200 at k = 2048 (8192 rows,
-    the final select and the sort together): 1.81 / 2.12 / 1.64 ms at 4 / 8 / 16 warps, 1.89 ms sorted
-    inside the final select; at k = 512: 0.20 / 0.21 / 0.21 ms, 0.26 inside."""
-    return max(4, min(16, kp // 128))
+    """Warps of the sort kernel: 4 entries a thread, 4 to 16 warps, and one warp up to 512 entries.
+    On the H200 at k = 2048 (8192 rows, the final select and the sort together): 1.81 / 2.12 / 1.64 ms
+    at 4 / 8 / 16 warps, 1.89 ms sorted inside the final select. The sort alone at 4096 rows
+    (NOTES-selection.md, v10): k = 2048 0.64 / 0.55 / 0.63 / 0.78 / 0.53 ms at
+    1 / 2 / 4 / 8 / 16 warps; k = 512 0.040 / 0.067 / 0.053 / 0.060 / 0.065 ms (one warp holds the
+    row in registers: no shared memory, no barriers; at k = 2048 its 254 registers leave too few warps)."""
+    return 1 if kp <= 512 else max(4, min(16, kp // 128))
 
 
 def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, sample: int = SAMPLE,

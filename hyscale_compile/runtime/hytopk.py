@@ -45,7 +45,7 @@ from .filter_kernels import (
 )
 from .final_select import decode, lists_fit_rows, select_composites, select_rows, select_rows_reference, sort_width
 from .reference import Visibility, order_key
-from .score_tile import act_kind, block_d, precision
+from .score_tile import act_kind, block_d, precision, tma_views
 from .select_kernels import PASSES, recover_kernel
 
 
@@ -168,6 +168,7 @@ class _Problem:
                            HAS_W=self.w is not None, PREC=precision(self.q.dtype),
                            HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)
         self.n_tblk = cdiv(self.T, tile.bt)
+        self.block_extra = tma_views(self.q, self.kx, tile)  # block_kernel's descriptors, or {}
 
     def launch(self, kernel, grid, *args, **extra):
         if self.tile.maxnreg and not interpreting():
@@ -309,7 +310,7 @@ def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MO
     append, asm = append_kind(pb, cap)
     pb.launch(block_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, thr, cnt,
               buf if out is None else out, pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, cap,
-              buf.shape[1], split, MODE=mode, APPEND=append, ASM=asm)
+              buf.shape[1], split, MODE=mode, APPEND=append, ASM=asm, **pb.block_extra)
     return cnt
 
 

@@ -38,6 +38,7 @@ class TileConfig:
     # None: 2 or 3 by the expected share of entries that pass (hytopk.append_kind)
     append: int | None = None
     maxnreg: int | None = None  # register cap (fewer registers -> more tiles in flight per SM)
+    tma: bool = True  # block_kernel reads q and kx by tensor descriptor where tma_views allows
 
 
 TILE = TileConfig()  # read at each call; change it only between calls (benchmarks sweep it)
@@ -60,6 +61,38 @@ def block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
 
+def tma_views(q: torch.Tensor, kx: torch.Tensor, tile: TileConfig) -> dict:
+    """block_kernel's extra arguments for reading q and kx through tensor descriptors (TMA), or {}
+    where their layout or the device does not allow it (the pointer path then runs, same bits).
+
+    H200, the scoring floor at (4096, 131072, H=16 / 64): 3.09 / 12.6 ms with q and kx by descriptor
+    and the weights by pointer, 3.53 / 14.8 ms by pointers (benchmarks/results/tune_floor_ws.json).
+    Needs 16-bit operands on sm_90+ (any under the interpreter), D a power of two, q rows [B*T, H*D]
+    and kx rows [B*S, D] as 2-D views with unit last stride, 16-byte aligned bases and row strides.
+    """
+    B, T, H, D = q.shape
+    S = kx.shape[1]
+    if not tile.tma or D != block_d(D) or kx.shape[0] != B or max(B * T, B * S, H * D) >= 2**31:
+        return {}
+    if not interpreting():
+        if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9):
+            return {}
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            return {}
+    if q.stride()[1:] != (H * D, D, 1) or (B > 1 and q.stride(0) != T * H * D):
+        return {}
+    if kx.stride()[1:] != (D, 1) or (B > 1 and kx.stride(0) != S * D):
+        return {}
+    q2 = q.as_strided((B * T, H * D), (H * D, 1))
+    k2 = kx.as_strided((B * S, D), (D, 1))
+    if q2.data_ptr() % 16 or k2.data_ptr() % 16 or (H * D * q.element_size()) % 16 or (D * kx.element_size()) % 16:
+        return {}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return dict(TMA=True, q_desc=TensorDescriptor.from_tensor(q2, [tile.bt, D]),
+                k_desc=TensorDescriptor.from_tensor(k2, [tile.bs, D]))
+
+
 ACT_NONE = 0
 ACT_MAX = 1  # relu, scale >= 0
 ACT_MIN = 2  # relu, scale < 0
@@ -76,20 +109,32 @@ def act_kind(relu: bool, scale: float) -> int:
 def score_tile(q_ptr, kx_ptr, w_ptr, q_rows, w_rows, k_cols, row_ok, col_ok,
                H, stride_qh, stride_wh, scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-               ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr):
+               ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+               q_desc=None, k_desc=None, q_row0=0, k_row0=0, TMA: tl.constexpr = False):
     """fp32 [BT, BS] scores. q_rows / w_rows / k_cols are int64 element offsets of each row / key.
 
     w_ptr holds scale * w; without weights every head is weighted by ``scale``.
     PREC is "ieee" or "tf32" for fp32 operands, or "upcast": 16-bit operands widened to fp32 first
     (only under the CPU interpreter, whose dot cannot take bf16; the products are exact either way).
+
+    TMA: q and kx come through tensor descriptors instead (``tma_views``): the tile's rows are q's
+    2-D rows q_row0 .. q_row0 + BT and its keys kx's rows k_row0 .. k_row0 + BS, read whole (rows
+    and keys past the caller's range hold other data or zeros: the caller masks them, as it masks
+    the pointer path's zeros). Same operands, same dots, same epilogue: the same bits.
     """
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    kt = tl.load(kx_ptr + k_cols[None, :] + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+    if TMA:
+        kt = k_desc.load([k_row0, 0]).T
+    else:
+        kt = tl.load(kx_ptr + k_cols[None, :] + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0)
     acc = tl.zeros((BT, BS), dtype=tl.float32)
     for h in range(H):
-        qh = tl.load(q_ptr + q_rows[:, None] + h * stride_qh + offs_d[None, :],
-                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if TMA:
+            qh = q_desc.load([q_row0, h * D])
+        else:
+            qh = tl.load(q_ptr + q_rows[:, None] + h * stride_qh + offs_d[None, :],
+                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if PREC == "upcast":
             s = tl.dot(qh.to(tl.float32), kt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
         else:

@@ -103,6 +103,38 @@ def test_random_near_ties(dtype, H):
     assert torch.equal(r.view(torch.int32), v.view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype,H", [(torch.bfloat16, 16), (torch.float16, 64), (torch.bfloat16, 5)])
+def test_descriptor_path_same_bits(dtype, H):
+    """The filter reading q and kx by tensor descriptor (TMA) selects the very bits of the pointer path
+    and of the pointer-gathered rescore; two batch elements, T not a multiple of the tile, S not a
+    multiple of the key tile (whole-tile reads past a batch's rows and keys must be masked)."""
+    import dataclasses
+
+    from hyscale_compile.runtime import score_tile
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need sm_90 or newer")
+    hytopk, _, _ = _mods()
+    g = torch.Generator(device="cuda").manual_seed(12)
+    B, T, S = 2, 200, 30001
+    q = torch.randn(B, T, H, 128, device="cuda", generator=g).to(dtype)
+    kx = torch.randn(B, S, 128, device="cuda", generator=g).to(dtype)
+    w = torch.randn(B, T, H, device="cuda", generator=g)
+    vis = Visibility(causal=True, offset=S - T)
+    old = score_tile.TILE
+    try:
+        score_tile.TILE = dataclasses.replace(old, tma=True)
+        assert hytopk._Problem(q, kx, w, 0.1, True, vis, NEG_INF).block_extra, "descriptors expected on sm_90+"
+        v, i = hytopk.select(q, kx, w, 1024, 0.1, True, vis, NEG_INF)
+        score_tile.TILE = dataclasses.replace(old, tma=False)
+        pv, pi = hytopk.select(q, kx, w, 1024, 0.1, True, vis, NEG_INF)
+    finally:
+        score_tile.TILE = old
+    assert torch.equal(v.view(torch.int32), pv.view(torch.int32)) and torch.equal(i, pi)
+    r = hytopk.rescore(q, kx, w, i, 0.1, True, vis, NEG_INF)
+    assert torch.equal(r.view(torch.int32), v.view(torch.int32))
+
+
 def test_long_context_million_keys():
     q, kx, w = exact_inputs(1, 16, 4, 64, 1 << 20, seed=7)
     check_exact(q, kx, w, 512, Visibility(causal=True, offset=(1 << 20) - 16))

@@ -215,6 +215,47 @@ def test_append_rule_on_gpu(monkeypatch):
     assert hytopk.append_kind(pb, 124) == (2, True)
 
 
+def test_descriptor_rule():
+    """q and kx go through tensor descriptors only where both read as 2-D row-major views of 16-byte
+    aligned memory and D is a power of two; everything else keeps the pointer path."""
+    q, kx, w = inputs(B=2, T=5, H=2, D=16, S=40)
+    tile = score_tile.TILE
+    got = score_tile.tma_views(q, kx, tile)
+    assert got["TMA"] and list(got["q_desc"].shape) == [10, 32] and list(got["k_desc"].shape) == [80, 16]
+    assert list(got["q_desc"].block_shape) == [tile.bt, 16] and list(got["k_desc"].block_shape) == [tile.bs, 16]
+    heads_first = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, H, T, D] memory seen as [B, T, H, D]
+    wide = torch.zeros(2, 5, 2, 24, dtype=q.dtype)[..., :16]  # rows padded: H * D elements apart no more
+    cases = {
+        "heads first": (heads_first, kx), "row padding": (wide, kx), "D = 24": (inputs(D=24)[0], inputs(D=24)[1]),
+        "kx shared by the batch": (q, kx[:1].expand(2, -1, -1)), "kx of batch 1 only": (q, kx[1:]),
+        "unaligned base": (torch.zeros(2 * 5 * 2 * 16 + 1, dtype=q.dtype)[1:].view(2, 5, 2, 16), kx),
+    }
+    for name, (qq, kk) in cases.items():
+        assert score_tile.tma_views(qq, kk, tile) == {}, name
+    assert score_tile.tma_views(q, kx, dataclasses.replace(tile, tma=False)) == {}
+    assert list(score_tile.tma_views(q[:1], kx[:1, 3:], tile)["k_desc"].shape) == [37, 16]  # one batch: any offset
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_descriptor_and_pointer_paths(tma):
+    """Both ways of reading q and kx give the reference's bits. The descriptor path reads whole tiles:
+    rows past T are the next batch element's (here NaN and huge values) and keys past S the next
+    batch's keys; the kernel must mask both exactly as it masks the pointer path's zeros."""
+    q, kx, w = inputs(B=3, T=5, H=2, D=16, S=45, seed=31)
+    q[1, 2:] = float("nan")
+    kx[1, :3] = 1e4
+    old = score_tile.TILE
+    score_tile.TILE = dataclasses.replace(old, tma=tma)
+    try:
+        assert bool(hytopk._Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF).block_extra) == tma
+        check(q, kx, w, 6, vis=Visibility(causal=True, offset=38))
+        check(q, kx, w, 6, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 44]] * 3)), fill=-1.0)
+        with knobs(capacity=16, target=12, samples=16):  # sampled threshold, filtered appends
+            check(q, kx, w, 4, vis=Visibility(causal=True, offset=40))
+    finally:
+        score_tile.TILE = old
+
+
 @pytest.mark.parametrize("weights", [True, False])
 def test_negative_scale_relu(weights):
     """relu(scale * x) with scale < 0 is evaluated as (scale * w) * min(x, 0): same selection."""
