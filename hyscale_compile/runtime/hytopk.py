@@ -171,10 +171,12 @@ class _Problem:
         self.block_extra = tma_views(self.q, self.kx, tile)  # block_kernel's descriptors, or {}
 
     def launch(self, kernel, grid, *args, **extra):
-        if self.tile.maxnreg and not interpreting():
-            extra["maxnreg"] = self.tile.maxnreg
-        kernel[grid](*args, *self.strides, **self.consts, **extra, num_warps=self.tile.warps,
-                     num_stages=self.tile.stages)
+        """kernel[grid](args, strides, consts, extra); extra may also override num_stages / maxnreg."""
+        opts = dict(num_warps=self.tile.warps, num_stages=self.tile.stages, maxnreg=self.tile.maxnreg)
+        opts.update((o, extra.pop(o)) for o in list(extra) if o in opts)
+        if not opts["maxnreg"] or interpreting():
+            del opts["maxnreg"]
+        kernel[grid](*args, *self.strides, **self.consts, **extra, **opts)
 
 
 def fill_key(fill: float) -> int:
@@ -310,8 +312,25 @@ def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MO
     append, asm = append_kind(pb, cap)
     pb.launch(block_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, thr, cnt,
               buf if out is None else out, pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, cap,
-              buf.shape[1], split, MODE=mode, APPEND=append, ASM=asm, **pb.block_extra)
+              buf.shape[1], split, MODE=mode, APPEND=append, ASM=asm, **pb.block_extra,
+              **filter_launch(pb, append, asm))
     return cnt
+
+
+def filter_launch(pb: _Problem, append: int, asm: bool) -> dict:
+    """Launch options of the filter where its tile leaves them to us (no append, register cap or extra
+    stages asked for, at most 64 accumulator registers a thread). H200, filter alone with q and kx by
+    descriptor (NOTES-selection.md, v10): the per-entry append, which mostly skips its branch where few
+    entries pass, capped at 168 registers (three tiles in flight per SM, not two): 7.80 -> 7.06 ms at
+    (2048, 524288, 16), 27.2 -> 27.0 at (4096, 262144, 64, k=512); the reserved append, three stages
+    at H >= 32: 14.19 -> 13.79 ms at (4096, 131072, 64), 14.71 -> 14.40 at (8192, 131072, 32)
+    (3.74 / 3.77 at H = 16: kept at two). Launch options only: the bits do not change."""
+    t = pb.tile
+    if not asm or t.append is not None or t.maxnreg or t.stages != 2 or t.bt * t.bs > 64 * 32 * t.warps:
+        return {}
+    if append == 2:
+        return dict(maxnreg=168)
+    return dict(num_stages=3) if append == 3 and pb.H >= 32 else {}
 
 
 def append_kind(pb: _Problem, cap: int) -> tuple[int, bool]:
