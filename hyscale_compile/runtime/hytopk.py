@@ -318,15 +318,17 @@ def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MO
 
 
 def filter_launch(pb: _Problem, append: int, asm: bool) -> dict:
-    """Launch options of the filter where its tile leaves them to us (no append, register cap or extra
-    stages asked for, at most 64 accumulator registers a thread). H200, filter alone with q and kx by
-    descriptor (NOTES-selection.md, v10): the per-entry append, which mostly skips its branch where few
+    """Launch options of the filter where its tile leaves them to us: q and kx by descriptor, no append,
+    register cap or extra stages asked for, at most 64 accumulator registers a thread. H200, filter
+    alone (NOTES-selection.md, v10): the per-entry append, which mostly skips its branch where few
     entries pass, capped at 168 registers (three tiles in flight per SM, not two): 7.80 -> 7.06 ms at
     (2048, 524288, 16), 27.2 -> 27.0 at (4096, 262144, 64, k=512); the reserved append, three stages
     at H >= 32: 14.19 -> 13.79 ms at (4096, 131072, 64), 14.71 -> 14.40 at (8192, 131072, 32)
     (3.74 / 3.77 at H = 16: kept at two). Launch options only: the bits do not change."""
     t = pb.tile
-    if not asm or t.append is not None or t.maxnreg or t.stages != 2 or t.bt * t.bs > 64 * 32 * t.warps:
+    if not asm or not pb.block_extra or t.append is not None or t.maxnreg or t.stages != 2:
+        return {}  # measured with descriptors only; pointer loads need more registers
+    if t.bt * t.bs > 64 * 32 * t.warps:
         return {}
     if append == 2:
         return dict(maxnreg=168)

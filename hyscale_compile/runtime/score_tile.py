@@ -72,7 +72,9 @@ def tma_views(q: torch.Tensor, kx: torch.Tensor, tile: TileConfig) -> dict:
     """
     B, T, H, D = q.shape
     S = kx.shape[1]
-    if not tile.tma or D != block_d(D) or kx.shape[0] != B or max(B * T, B * S, H * D) >= 2**31:
+    if not tile.tma or D != block_d(D) or kx.shape[0] != B or min(B * T, S, H) == 0:
+        return {}
+    if max(B * T, B * S, H * D) >= 2**31:  # descriptor coordinates are int32
         return {}
     if not interpreting():
         if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9):

@@ -236,6 +236,27 @@ def test_descriptor_rule():
     assert list(score_tile.tma_views(q[:1], kx[:1, 3:], tile)["k_desc"].shape) == [37, 16]  # one batch: any offset
 
 
+def test_descriptor_rule_empty_and_filter_launch(monkeypatch):
+    """No descriptor for an empty operand (a TensorDescriptor needs every dimension > 0). Where there is
+    PTX and q and kx go by descriptor, the filter's launch options follow its append: 168 registers for
+    the per-entry one, three stages for the reserved one at H >= 32; none where the tile asks for its own
+    append, cap or stages, where the tile is larger, or on the pointer path."""
+    q, kx, w = inputs(B=1, T=2, H=2, D=16, S=40)
+    assert score_tile.tma_views(q[:, :0], kx, score_tile.TILE) == {}
+    assert score_tile.tma_views(q, kx[:, :0], score_tile.TILE) == {}
+    pb = hytopk._Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF)
+    assert pb.block_extra and hytopk.filter_launch(pb, 2, False) == {}  # no PTX: no options
+    assert hytopk.filter_launch(pb, 2, True) == {"maxnreg": 168}
+    assert hytopk.filter_launch(pb, 3, True) == {}  # H = 2
+    pb.H = 32
+    assert hytopk.filter_launch(pb, 3, True) == {"num_stages": 3}
+    for change in [dict(append=3), dict(maxnreg=200), dict(stages=3), dict(bt=128)]:
+        pb.tile = dataclasses.replace(score_tile.TILE, **change)
+        assert hytopk.filter_launch(pb, 3, True) == {} and hytopk.filter_launch(pb, 2, True) == {}, change
+    pb.tile, pb.block_extra = score_tile.TILE, {}
+    assert hytopk.filter_launch(pb, 2, True) == {}
+
+
 @pytest.mark.parametrize("tma", [True, False])
 def test_descriptor_and_pointer_paths(tma):
     """Both ways of reading q and kx give the reference's bits. The descriptor path reads whole tiles:
