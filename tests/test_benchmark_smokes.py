@@ -16,7 +16,8 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["training.py", "tune_replay.py", "recovery.py", "tune_floor_ws.py"])
+@pytest.mark.parametrize("script", ["training.py", "tune_replay.py", "recovery.py", "tune_floor_ws.py",
+                                    "tune_descriptors.py"])
 def test_benchmark_smoke_runs(script):
     env = dict(os.environ)
     if not torch.cuda.is_available():

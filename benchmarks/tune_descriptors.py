@@ -1,0 +1,179 @@
+"""q and kx by tensor descriptor (TMA) against pointer loads, the filter's launch options, the sort's warps.
+
+Three tables, each measured in one run on the device, every variant's bits checked against the first:
+
+- ``paths``: scoring floor, filter and whole select per benchmark shape, with ``TileConfig.tma`` on and
+  off (the select's values and indices must be bitwise equal);
+- ``filter``: the filter alone on the descriptor path, per append (2: per entry, 3: slots reserved per
+  thread), pipeline stages and register cap (``hytopk.filter_launch`` picks from these); each variant's
+  appended entries, sorted per row, must equal the first variant's;
+- ``sort``: ``final_select.sort_decode_kernel`` at 1..16 warps on composites with many tied values,
+  against ``torch.sort``.
+
+    python benchmarks/tune_descriptors.py [--parts paths,filter,sort] [--out results/tune_descriptors.json]
+    TRITON_INTERPRET=1 python benchmarks/tune_descriptors.py --smoke    # tiny shapes on the CPU, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from hyscale_compile.runtime import final_select, hytopk, score_tile  # noqa: E402
+from hyscale_compile.runtime.filter_kernels import MODE_FLOOR  # noqa: E402
+from hyscale_compile.runtime.reference import Visibility  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import selection  # noqa: E402  (block_launch: the selection benchmark's own floor launch)
+import training  # noqa: E402  (write_results)
+
+SHAPES = [(4096, 131072, 16, 2048), (4096, 131072, 64, 2048), (2048, 524288, 16, 2048),
+          (8192, 131072, 32, 2048), (4096, 262144, 64, 512)]  # the selection benchmark's (T, S, H, k)
+SMOKE_SHAPES = [(16, 300, 2, 8)]
+FILTER_VARIANTS = {  # name: TileConfig changes (tma stays on)
+    "a3_s2": dict(append=3), "a2_s2": dict(append=2), "a3_s3": dict(append=3, stages=3),
+    "a2_s3": dict(append=2, stages=3), "a3_r168": dict(append=3, maxnreg=168), "a2_r168": dict(append=2, maxnreg=168),
+}
+SORT_SHAPES = [(4096, 2048), (8192, 2048), (2048, 2048), (4096, 512)]  # rows, k
+SORT_WARPS = (1, 2, 4, 8, 16)
+
+
+def bench(smoke: bool, fn, *args) -> float:
+    """Median ms of fn(*args) (arguments bound now, not looked up when the timing loop runs)."""
+    if smoke:
+        fn(*args)
+        return float("nan")
+    return round(triton.testing.do_bench(lambda: fn(*args), warmup=5, rep=40, return_mode="median"), 4)
+
+
+def operands(T: int, S: int, H: int, smoke: bool):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    D = 16 if smoke else 128
+    torch.manual_seed(0)
+    q = torch.randn(1, T, H, D, device=device).to(torch.bfloat16)
+    kx = torch.randn(1, S, D, device=device).to(torch.bfloat16)
+    w = torch.randn(1, T, H, device=device) / math.sqrt(H)
+    return q, kx, w, D**-0.5, Visibility(causal=True, offset=S - T)
+
+
+def tile(**changes) -> score_tile.TileConfig:
+    return dataclasses.replace(score_tile.TILE, **changes)
+
+
+def paths(shape: tuple[int, int, int, int], smoke: bool) -> dict:
+    T, S, H, k = shape
+    q, kx, w, scale, vis = operands(T, S, H, smoke)
+    row, picks, base = dict(T=T, S=S, H=H, k=k), {}, score_tile.TILE
+    try:
+        for tma in (True, False):
+            score_tile.TILE = tile(tma=tma)
+            tag = "tma" if tma else "ptr"
+            pb = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
+            row[f"{tag}_active"] = bool(pb.block_extra)
+            split = hytopk.filter_split(pb)
+            sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device=q.device)
+            row[f"{tag}_floor_ms"] = bench(smoke, selection.block_launch, pb, MODE_FLOOR, sink, split)
+            buf, thr = hytopk.sample_threshold(pb, k)
+            cap = hytopk.sizes(k, S)[1]
+            row[f"{tag}_filter_ms"] = bench(smoke, hytopk.filter_rows, pb, thr, buf, cap)
+            picks[tma] = hytopk.select(q, kx, w, k, scale, True, vis, float("-inf"))
+            row[f"{tag}_select_ms"] = bench(smoke, hytopk.select, q, kx, w, k, scale, True, vis, float("-inf"))
+    finally:
+        score_tile.TILE = base
+    (v, i), (pv, pi) = picks[True], picks[False]
+    row["same"] = bool(torch.equal(i, pi) and torch.equal(v.view(torch.int32), pv.view(torch.int32)))
+    return row
+
+
+def appended(buf: torch.Tensor, cnt: torch.Tensor, cap: int) -> torch.Tensor:
+    """Each row's appended entries in ascending order (the atomics' order is not reproducible)."""
+    slots = torch.arange(cap, device=buf.device)[None, :]
+    return torch.sort(buf[:, :cap].masked_fill(slots >= cnt[:, None].clamp(max=cap), -1), dim=1).values
+
+
+def filters(shape: tuple[int, int, int, int], smoke: bool) -> dict:
+    T, S, H, k = shape
+    q, kx, w, scale, vis = operands(T, S, H, smoke)
+    pb = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
+    split = hytopk.filter_split(pb)
+    sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device=q.device)
+    row = dict(T=T, S=S, H=H, k=k, floor_ms=bench(smoke, selection.block_launch, pb, MODE_FLOOR, sink, split))
+    buf, thr = hytopk.sample_threshold(pb, k)
+    cap = hytopk.sizes(k, S)[1]
+    row["default_append"] = hytopk.append_kind(pb, cap)[0]
+    row["default_options"] = hytopk.filter_launch(pb, *hytopk.append_kind(pb, cap))
+    first = None
+    for name, changes in FILTER_VARIANTS.items():
+        pv = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
+        pv.tile = tile(**changes)
+        mine = buf.clone()
+        got = appended(mine, hytopk.filter_rows(pv, thr, mine, cap), cap)
+        first = got if first is None else first
+        row[f"{name}_same"] = bool(torch.equal(got, first))
+        row[f"{name}_ms"] = bench(smoke, hytopk.filter_rows, pv, thr, mine, cap)
+    return row
+
+
+def sorts(shape: tuple[int, int], smoke: bool) -> dict:
+    R, k = shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    key = torch.randint(-2**20, 2**20, (R, k), device=device, dtype=torch.int64)  # many tied values
+    pos = torch.randint(0, 2**31 - 1, (R, k), device=device)
+    comp = (key << 32) | ((~pos.to(torch.int32)).to(torch.int64) & 0xFFFFFFFF)
+    want_v, want_i = final_select.decode(torch.sort(comp, dim=1, descending=True).values)
+    kp = final_select.sort_width(k)
+    row = dict(R=R, k=k, default_warps=final_select.sort_warps(kp))
+    for warps in SORT_WARPS:
+        idx, val = comp.clone(), torch.empty(R, k, device=device)
+        sort_once(comp, idx, val, kp, warps)
+        row[f"w{warps}_same"] = bool(torch.equal(idx, want_i) and torch.equal(val.view(torch.int32),
+                                                                             want_v.view(torch.int32)))
+        copy_ms = bench(smoke, idx.copy_, comp)
+        row[f"w{warps}_ms"] = round(bench(smoke, sort_once, comp, idx, val, kp, warps) - copy_ms, 4)
+    return row
+
+
+def sort_once(comp: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, kp: int, warps: int) -> None:
+    """The composites copied into the positions' memory, then sorted and decoded there (as select does)."""
+    idx.copy_(comp)
+    final_select.sort_decode_kernel[(idx.shape[0],)](idx, val, idx.shape[1], KP=kp, num_warps=warps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tune_descriptors.json"))
+    ap.add_argument("--parts", default="paths,filter,sort")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing, print only")
+    args = ap.parse_args()
+    if args.smoke and not torch.cuda.is_available():  # the interpreter needs the tests' shim for loop bounds
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+        import triton_interpret  # noqa: F401
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    parts = args.parts.split(",")
+    rows = []
+    for part, fn, items in [("paths", paths, shapes), ("filter", filters, shapes),
+                            ("sort", sorts, [(4, 64)] if args.smoke else SORT_SHAPES)]:
+        if part not in parts:
+            continue
+        for item in items:
+            row = dict(part=part, **fn(item, args.smoke))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.cuda.empty_cache()
+    bad = [r for r in rows if any(k.endswith("same") and v is False for k, v in r.items())]
+    assert not bad, f"variants disagree: {bad}"
+    if not args.smoke:
+        training.write_results(args.out, "cuda", rows)
+
+
+if __name__ == "__main__":
+    main()
