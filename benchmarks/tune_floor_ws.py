@@ -10,8 +10,12 @@ the head weights loaded by descriptor or by pointer. Every variant's row sums ar
 plain descriptor floor's (bitwise, and to 1e-5). Each variant runs in a subprocess with a timeout:
 one that hangs (the warp-specialized build with descriptor weights did, once) is a result too.
 
-This is an experiment that decides whether the score tile should move to descriptors; nothing in
-the package uses this kernel.
+This is an experiment that decided whether the score tile should move to descriptors; nothing in
+the package uses this kernel. Outcome on the H200 (results/tune_floor_ws.json, 2026-11-30): no
+warp-specialized variant gave a result within 45 s at either shape; q and kx by descriptor with the
+weights by pointer ran 0.875x / 0.852x our pointer floor at H = 16 / 64 (with the weights by descriptor,
+1.005x / 0.998x: a synchronous copy per head). The block kernel now reads q and kx that way
+(``score_tile.tma_views``).
 
     python benchmarks/tune_floor_ws.py [--out results/tune_floor_ws.json] [--timeout 120]
     TRITON_INTERPRET=1 python benchmarks/tune_floor_ws.py --smoke    # tiny shapes on the CPU, prints only
