@@ -168,7 +168,11 @@ class _Problem:
                            HAS_W=self.w is not None, PREC=precision(self.q.dtype),
                            HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)
         self.n_tblk = cdiv(self.T, tile.bt)
-        self.block_extra = tma_views(self.q, self.kx, tile)  # block_kernel's descriptors, or {}
+
+    @functools.cached_property
+    def block_extra(self) -> dict:
+        """block_kernel's q and kx descriptors, or {}: built on first use (rescore never needs them)."""
+        return tma_views(self.q, self.kx, self.tile)
 
     def launch(self, kernel, grid, *args, **extra):
         """kernel[grid](args, strides, consts, extra); extra may also override num_stages / maxnreg."""

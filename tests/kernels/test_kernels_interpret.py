@@ -273,6 +273,9 @@ def test_descriptor_and_pointer_paths(tma):
         check(q, kx, w, 6, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 44]] * 3)), fill=-1.0)
         with knobs(capacity=16, target=12, samples=16):  # sampled threshold, filtered appends
             check(q, kx, w, 4, vis=Visibility(causal=True, offset=40))
+        for append in (0, 1, 3):  # 32 keys a tile: the first lies inside every row's range (no range test)
+            score_tile.TILE = dataclasses.replace(old, tma=tma, bt=16, bs=32, append=append)
+            check(q, kx, w, 6, vis=Visibility(causal=True, offset=38))
     finally:
         score_tile.TILE = old
 
