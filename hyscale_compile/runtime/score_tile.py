@@ -67,9 +67,9 @@ def tma_views(q: torch.Tensor, kx: torch.Tensor, tile: TileConfig) -> dict:
 
     H200, the scoring floor at (4096, 131072, H=16 / 64): 3.09 / 12.6 ms with q and kx by descriptor
     and the weights by pointer, 3.53 / 14.8 ms by pointers (benchmarks/results/tune_floor_ws.json).
-    Needs 16-bit operands and D of 64 or 128 on sm_90+ (any dtype and power of two under the
-    interpreter), q rows [B*T, H*D]
-    and kx rows [B*S, D] as 2-D views with unit last stride, 16-byte aligned bases and row strides.
+    Needs 16-bit operands and D of 64 or 128 on NVIDIA sm_90+ (any dtype and power of two under the
+    interpreter), q rows [B*T, H*D] and kx rows [B*S, D] as 2-D views with unit last stride, 16-byte
+    aligned bases and row strides.
     """
     B, T, H, D = q.shape
     S = kx.shape[1]
@@ -78,7 +78,7 @@ def tma_views(q: torch.Tensor, kx: torch.Tensor, tile: TileConfig) -> dict:
     if max(B * T, B * S, H * D) >= 2**31:  # descriptor coordinates are int32
         return {}
     if not interpreting():
-        if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9):
+        if not (q.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(q.device)[0] >= 9):
             return {}
         if q.dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128):
             return {}  # D: the sizes the GPU tests run; others keep pointers until measured
