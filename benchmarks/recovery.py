@@ -88,9 +88,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.T, args.S, args.H, args.k = 8, 300, 2, 16
-        if device == "cpu":
-            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-            import triton_interpret  # noqa: F401  (runtime loop bounds in the interpreter)
+        training.interpreter_shim()
     T, S, H, k, D = args.T, args.S, args.H, args.k, 128 if not args.smoke else 16
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)

@@ -277,6 +277,14 @@ def main() -> None:
             write_results(args.out, device, rows)
 
 
+def interpreter_shim() -> None:
+    """Without CUDA (a --smoke run under TRITON_INTERPRET), load the tests' interpreter shim: runtime
+    loop bounds in the kernels need it."""
+    if not torch.cuda.is_available():
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "kernels"))
+        import triton_interpret  # noqa: F401
+
+
 def write_results(path: str, device: str, rows: list[dict]) -> None:
     """results/*.json as every benchmark here writes it: device, versions, date, commit, rows."""
     import triton

@@ -54,6 +54,13 @@ def bench(smoke: bool, fn, *args) -> float:
     return round(triton.testing.do_bench(lambda: fn(*args), warmup=5, rep=40, return_mode="median"), 4)
 
 
+def floor_ms(pb: hytopk._Problem, smoke: bool) -> float:
+    """The scoring floor at the filter's split, as the selection benchmark launches it."""
+    split = hytopk.filter_split(pb)
+    sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device=pb.device)
+    return bench(smoke, selection.block_launch, pb, MODE_FLOOR, sink, split)
+
+
 def operands(T: int, S: int, H: int, smoke: bool):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     D = 16 if smoke else 128
@@ -78,9 +85,7 @@ def paths(shape: tuple[int, int, int, int], smoke: bool) -> dict:
             tag = "tma" if tma else "ptr"
             pb = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
             row[f"{tag}_active"] = bool(pb.block_extra)
-            split = hytopk.filter_split(pb)
-            sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device=q.device)
-            row[f"{tag}_floor_ms"] = bench(smoke, selection.block_launch, pb, MODE_FLOOR, sink, split)
+            row[f"{tag}_floor_ms"] = floor_ms(pb, smoke)
             buf, thr = hytopk.sample_threshold(pb, k)
             cap = hytopk.sizes(k, S)[1]
             row[f"{tag}_filter_ms"] = bench(smoke, hytopk.filter_rows, pb, thr, buf, cap)
@@ -103,9 +108,7 @@ def filters(shape: tuple[int, int, int, int], smoke: bool) -> dict:
     T, S, H, k = shape
     q, kx, w, scale, vis = operands(T, S, H, smoke)
     pb = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
-    split = hytopk.filter_split(pb)
-    sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device=q.device)
-    row = dict(T=T, S=S, H=H, k=k, floor_ms=bench(smoke, selection.block_launch, pb, MODE_FLOOR, sink, split))
+    row = dict(T=T, S=S, H=H, k=k, floor_ms=floor_ms(pb, smoke))
     buf, thr = hytopk.sample_threshold(pb, k)
     cap = hytopk.sizes(k, S)[1]
     row["default_append"] = hytopk.append_kind(pb, cap)[0]
@@ -154,9 +157,8 @@ def main() -> None:
     ap.add_argument("--parts", default="paths,filter,sort")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing, print only")
     args = ap.parse_args()
-    if args.smoke and not torch.cuda.is_available():  # the interpreter needs the tests' shim for loop bounds
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-        import triton_interpret  # noqa: F401
+    if args.smoke:
+        training.interpreter_shim()
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     parts = args.parts.split(",")
     rows = []

@@ -159,9 +159,8 @@ def main() -> None:
     ap.add_argument("--sums", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    if args.smoke and not torch.cuda.is_available():  # the interpreter needs the tests' shim for loop bounds
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-        import triton_interpret  # noqa: F401
+    if args.smoke:
+        training.interpreter_shim()
     if args.one is not None:
         print(json.dumps(run_one(args.one, shapes[args.shape], args.smoke, args.sums)), flush=True)
         return

@@ -215,9 +215,7 @@ def main() -> None:
         SHAPES, D, K = [(20, 90, 16), (20, 90, 19)], 32, 24
         DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
         args.shapes = "0,1"
-        if DEVICE == "cpu":  # the interpreter needs the tests' shim for runtime loop bounds
-            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-            import triton_interpret  # noqa: F401
+        training.interpreter_shim()
     rows = []
     for i in map(int, args.shapes.split(",")):
         T, S, H = SHAPES[i]

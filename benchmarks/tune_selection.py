@@ -26,8 +26,11 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hyscale_compile.runtime import final_select, hytopk, score_tile  # noqa: E402
-from hyscale_compile.runtime.filter_kernels import MODE_COUNT, MODE_FLOOR, block_kernel  # noqa: E402
+from hyscale_compile.runtime.filter_kernels import MODE_COUNT, MODE_FLOOR  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import selection  # noqa: E402  (block_launch: the selection benchmark's own floor launch)
 
 SHAPES = [(4096, 131072, 16, 2048), (4096, 131072, 64, 2048)]
 D = 128
@@ -61,11 +64,7 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
     sink = torch.empty(pb.n_tblk * split * bt, device="cuda")
     row = dict(bt=bt, bs=bs, warps=warps, stages=stages, maxnreg=maxnreg)
 
-    def floor():
-        pb.launch(block_kernel, (split, 1, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, pb.lo, pb.lo, sink,
-                  pb.mask, pb.bias, T, S, H, pb.scale, pb.fill, 0, S, split, MODE=MODE_FLOOR, **pb.block_extra)
-
-    row["floor_ms"] = bench(floor)
+    row["floor_ms"] = bench(lambda: selection.block_launch(pb, MODE_FLOOR, sink, split))
     row["floor_tflops"] = useful_flops(T, S, H) / row["floor_ms"] / 1e9
     buf, samp, msamp = hytopk.sample(pb, k)
     row["sample_ms"] = bench(lambda: hytopk.sample(pb, k))
