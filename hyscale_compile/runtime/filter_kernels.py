@@ -17,6 +17,10 @@ MODE_FLOOR = 0
 MODE_TABLE = 1
 MODE_FILTER = 2
 MODE_COUNT = 3
+# what says which entries of a tile are in range (_emit's OK)
+OK_ALL = tl.constexpr(0)
+OK_TILE = tl.constexpr(1)
+OK_RANGE = tl.constexpr(2)
 
 
 @triton.jit
@@ -86,12 +90,16 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
                 inside = False
             if inside:  # every entry visible: the score is the value, only the row bound matters
                 sink = _emit(acc, row_ok[:, None], thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, sink,
-                             MODE, APPEND, ASM, BT, BS)
-            else:
+                             MODE, APPEND, ASM, BT, BS, OK_ALL)
+            elif HAS_MASK or HAS_BIAS:
                 val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
                                             mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
                 sink = _emit(val, in_range, thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, sink,
-                             MODE, APPEND, ASM, BT, BS)
+                             MODE, APPEND, ASM, BT, BS, OK_TILE)
+            else:  # a range's edge: the score is the value; the range test in int32 (ranges lie in [0, S],
+                # a row past T has hi = 0), where tile_values' int64 one set the kernel's register count
+                sink = _emit(acc, (lo.to(tl.int32), hi.to(tl.int32)), thr, cols, rid, row_ok, cnt_ptr, out_ptr, C,
+                             out_stride, sink, MODE, APPEND, ASM, BT, BS, OK_RANGE)
     if (MODE == 0) or (MODE == 3):
         pid = (pid_t * tl.num_programs(1) + tl.program_id(1)) * SPLIT + split
         tl.store(out_ptr + pid.to(tl.int64) * BT + tl.arange(0, BT), sink)
@@ -99,14 +107,21 @@ def block_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
 
 @triton.jit
 def _emit(val, ok, thr, cols, rid, row_ok, cnt_ptr, buf_ptr, C, stride, sink,
-          MODE: tl.constexpr, APPEND: tl.constexpr, ASM: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
-    """Append the entries that are ``ok`` and >= their row's threshold (COUNT mode: count them)."""
+          MODE: tl.constexpr, APPEND: tl.constexpr, ASM: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+          OK: tl.constexpr):
+    """Append the entries that are ``ok`` and >= their row's threshold (COUNT mode: count them).
+
+    ok by OK: OK_ALL [BT, 1] (every entry of a valid row), OK_TILE [BT, BS], or OK_RANGE a tuple
+    (lo, hi) of int32 [BT] row ranges to test the int32 positions against (lo <= position < hi).
+    """
+    if APPEND == 3 and MODE != 3:  # the reserved append takes the range as it is (fewer registers)
+        _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, stride, BT, BS, OK, ASM)
+        return sink
+    if OK == 2:
+        c32 = cols.to(tl.int32)[None, :]
+        ok = (c32 >= ok[0][:, None]) & (c32 < ok[1][:, None])
     if APPEND == 2 and MODE != 3:  # the PTX append makes the same compare itself
         _append_asm(cnt_ptr, buf_ptr, rid, ok, val, thr, cols, C, stride)
-        return sink
-    if APPEND == 3 and MODE != 3:
-        _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, stride, BT, BS,
-                         ok.shape[1] == 1, ASM)
         return sink
     passed = ok & ((val >= thr[:, None]) | (val != val))
     if MODE == 3:  # the compare without the append (a benchmark diagnostic)
@@ -161,52 +176,78 @@ def _per_thread_row(x, BT: tl.constexpr):
 
 @triton.jit
 def _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, stride,
-                     BT: tl.constexpr, BS: tl.constexpr, ALL_OK: tl.constexpr, ASM: tl.constexpr):
+                     BT: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr):
     """Each thread reserves the slots of its passing entries of a row with one atomic, then writes
-    them at running counts along its columns: per entry a compare, an add and a predicated store, no
-    atomic and no branch per entry (the per-entry atomic took ~13 instructions an entry, and this
-    kernel's time follows its instruction count). ALL_OK: ``ok`` is [BT, 1], every entry of a valid
-    row. ASM: the compare, atomic and store in PTX (tl.atomic_add and tl.store would re-lay-out their
-    64-bit pointer tiles through shared memory); without it the same steps in triton (interpreter).
+    them at running counts along its columns: no atomic and no branch per entry (the per-entry
+    atomic took ~13 instructions an entry, and this kernel's time follows its instruction count).
+
+    The compare runs twice, once to count and once to store, instead of keeping a flag per entry
+    live across the atomic (64 registers a thread: they held the kernel to two tiles per SM). A
+    thread whose reserved slots would pass C writes none of them: its row overflowed, so the check
+    stage recovers it whole and never reads its buffer; that leaves no bound test per entry.
+    ok, KIND as in _emit: a [BT, BS] one is kept as bits, one word per row and 32 columns; a range is
+    tested per entry in both passes. ASM: the steps in PTX (tl.atomic_add and tl.store would
+    re-lay-out their 64-bit pointer tiles through shared memory); without it the same steps in
+    triton (interpreter).
     """
     N: tl.constexpr = BS // 4
     if ASM:  # a thread per (row, quarter) at most: copies of an element would each run its atomic and stores
         tl.static_assert(BT * 4 >= tl.extra.cuda.num_threads())
     vs = _by_thread(val, BT, BS)
     cs = _by_thread(tl.broadcast_to(cols.to(tl.int32)[None, :], (BT, BS)), BT, BS)
-    if not ALL_OK:
-        oks = _by_thread(tl.broadcast_to(ok, (BT, BS)).to(tl.int32), BT, BS)
     t = _per_thread_row(thr, BT)
-    ps = ()
+    lo = tl.zeros((BT * 4,), tl.int32)  # KIND 2: the range; KIND 1: the bits of columns < 32 and >= 32
+    hi = tl.zeros((BT * 4,), tl.int32)
+    if KIND == 2:
+        lo = _per_thread_row(ok[0], BT)
+        hi = _per_thread_row(ok[1], BT)
+    elif KIND == 1:
+        oks = _by_thread(ok.to(tl.int32), BT, BS)
+        for i in tl.static_range(N):
+            if i < 32:
+                lo = lo | (oks[i] << i)
+            else:
+                hi = hi | (oks[i] << (i - 32))
     n = tl.zeros((BT * 4,), tl.int32)
     for i in tl.static_range(N):
-        p = _passes(vs[i], t, ASM)
-        if not ALL_OK:
-            p = p & oks[i]
-        ps = ps + (p,)
-        n += p
+        n = _count_pass(n, vs[i], t, _entry_ok(lo, hi, cs[i], i, KIND), ASM)
     lim = _per_thread_row(tl.where(row_ok, C, 0), BT)  # no slot for rows past the end
     slot = _reserve(_per_thread_row(cnt_ptr + rid, BT), n, lim, ASM)
+    go = ((lim != 0) & (slot + n <= lim)).to(tl.int32)
     row = _per_thread_row(buf_ptr + rid * stride, BT)
     for i in tl.static_range(N):
-        _store_entry(row, slot, lim, ps[i], cs[i], vs[i], ASM)
-        slot += ps[i]
+        slot = _store_pass(row, slot, vs[i], t, cs[i], go & _entry_ok(lo, hi, cs[i], i, KIND), ASM)
 
 
 @triton.jit
-def _passes(v, t, ASM: tl.constexpr):
-    """1 where v >= t or v is NaN (setp.geu: greater-equal or unordered), else 0."""
+def _entry_ok(lo, hi, col, i: tl.constexpr, KIND: tl.constexpr):
+    """Entry i's ok (1 or 0): always (KIND 0), its bit (1), or lo <= col < hi (2)."""
+    if KIND == 0:
+        return 1
+    elif KIND == 2:
+        return ((col >= lo) & (col < hi)).to(tl.int32)
+    elif i < 32:
+        return (lo >> i) & 1
+    else:
+        return (hi >> (i - 32)) & 1
+
+
+@triton.jit
+def _count_pass(n, v, t, ok, ASM: tl.constexpr):
+    """n + 1 where ok and (v >= t or v is NaN) (setp.geu: greater-equal or unordered), else n."""
     if ASM:
         return tl.inline_asm_elementwise(
             """
             {
             .reg .pred p;
-            setp.geu.f32 p, $1, $2;
-            selp.u32 $0, 1, 0, p;
+            setp.ne.u32 p, $4, 0;
+            setp.geu.and.f32 p, $2, $3, p;
+            mov.b32 $0, $1;
+            @p add.u32 $0, $0, 1;
             }
             """,
-            "=r,f,f", [v, t], dtype=tl.int32, is_pure=True, pack=1)
-    return ((v >= t) | (v != v)).to(tl.int32)
+            "=r,r,f,f,r", [n, v, t, ok + tl.zeros_like(n)], dtype=tl.int32, is_pure=True, pack=1)
+    return n + (((v >= t) | (v != v)) & (ok != 0)).to(tl.int32)
 
 
 @triton.jit
@@ -229,26 +270,29 @@ def _reserve(ctr, n, lim, ASM: tl.constexpr):
 
 
 @triton.jit
-def _store_entry(row, slot, lim, p, col, v, ASM: tl.constexpr):
-    """row[slot] = {position col, bits of v} (raw_entry) as one 8-byte store, where p and slot < lim."""
+def _store_pass(row, slot, v, t, col, go, ASM: tl.constexpr):
+    """Where go and (v >= t or v is NaN): row[slot] = {position col, bits of v} (raw_entry) as one
+    8-byte store, and slot + 1 is returned; elsewhere slot."""
     if ASM:
-        tl.inline_asm_elementwise(
+        return tl.inline_asm_elementwise(
             """
             {
             .reg .pred p;
             .reg .b64 a, e;
-            mov.b32 $0, 0;
-            setp.lt.u32 p, $2, $3;
-            setp.ne.and.u32 p, $4, 0, p;
+            setp.ne.u32 p, $6, 0;
+            setp.geu.and.f32 p, $3, $4, p;
+            mov.b32 $0, $2;
             mad.wide.u32 a, $2, 8, $1;
-            mov.b64 e, {$5, $6};
+            mov.b64 e, {$5, $7};
             @p st.global.b64 [a], e;
+            @p add.u32 $0, $0, 1;
             }
             """,
-            "=r,l,r,r,r,r,r", [row.to(tl.int64), slot, lim, p, col, v.to(tl.int32, bitcast=True)],
+            "=r,l,r,f,f,r,r,r", [row.to(tl.int64), slot, v, t, col, go, v.to(tl.int32, bitcast=True)],
             dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(row + slot, raw_entry(v, col), mask=(p != 0) & (slot < lim))
+    p = ((v >= t) | (v != v)) & (go != 0)
+    tl.store(row + slot, raw_entry(v, col), mask=p)
+    return slot + p.to(tl.int32)
 
 
 @triton.jit

@@ -323,20 +323,20 @@ def filter_rows(pb: _Problem, thr: Tensor, buf: Tensor, cap: int, mode: int = MO
 
 def filter_launch(pb: _Problem, append: int, asm: bool) -> dict:
     """Launch options of the filter where its tile leaves them to us: q and kx by descriptor, no append,
-    register cap or extra stages asked for, at most 64 accumulator registers a thread. H200, filter
-    alone (NOTES-selection.md, v10): the per-entry append, which mostly skips its branch where few
-    entries pass, capped at 168 registers (three tiles in flight per SM, not two): 7.80 -> 7.06 ms at
-    (2048, 524288, 16), 27.2 -> 27.0 at (4096, 262144, 64, k=512); the reserved append, three stages
-    at H >= 32: 14.19 -> 13.79 ms at (4096, 131072, 64), 14.71 -> 14.40 at (8192, 131072, 32)
-    (3.74 / 3.77 at H = 16: kept at two). Launch options only: the bits do not change."""
+    register cap or extra stages asked for, at most 64 accumulator registers a thread. Both appends
+    are capped at 168 registers, three tiles in flight per SM instead of two. H200, filter alone, one
+    run (NOTES-selection.md, v11), reserved append uncapped -> capped: 3.61 -> 3.62 ms at (4096,
+    131072, 16), 14.28 -> 13.45 at H = 64, 7.87 -> 7.06 at (2048, 524288, 16), 14.98 -> 14.18 at
+    (8192, 131072, 32); three stages instead (two tiles per SM by shared memory) 3.87 / 15.50 / 7.88 /
+    14.70. The per-entry append, which mostly skips its branch where few entries pass: 7.80 -> 7.06
+    at (2048, 524288, 16), 27.2 -> 27.0 at (4096, 262144, 64, k=512) (v10). Launch options only: the
+    bits do not change."""
     t = pb.tile
     if not asm or not pb.block_extra or t.append is not None or t.maxnreg or t.stages != 2:
         return {}  # measured with descriptors only; pointer loads need more registers
     if t.bt * t.bs > 64 * 32 * t.warps:
         return {}
-    if append == 2:
-        return dict(maxnreg=168)
-    return dict(num_stages=3) if append == 3 and pb.H >= 32 else {}
+    return dict(maxnreg=168) if append in (2, 3) else {}
 
 
 def append_kind(pb: _Problem, cap: int) -> tuple[int, bool]:

@@ -190,6 +190,52 @@ def test_reserved_append_at_the_default_tile():
         score_tile.TILE = old
 
 
+@pytest.mark.parametrize("append,bs,masked", [(3, 32, False), (3, 128, False), (3, 32, True), (1, 32, False),
+                                               (0, 32, True)])
+def test_filter_capacity_contract(append, bs, masked):
+    """The filter on its own, with row thresholds picked so that some rows pass fewer entries than the
+    capacity C, one exactly C, others more. Every row counts all its passing entries; a row within C
+    holds exactly them; an overflowed row (which the check stage recovers whole) holds only passing
+    entries and nothing past C: the reserved append writes none of a thread's entries whose slots
+    would pass C. Tiles inside, across and (masked) under a bool mask of the rows' ranges."""
+    B, T, S, C = 1, 6, 300, 16
+    q, kx, w = inputs(B=B, T=T, S=S, seed=31)
+    starts = torch.tensor([[0, 5, 40, 141, 190, 290]])
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(B, T, S, generator=g) > 0.2 if masked else None
+    vis = Visibility(causal=True, offset=S - T, starts=starts, mask=mask)
+    val = reference.value_rows(q, kx, w, 0.5, True, vis, NEG_INF, 0, T)[0]
+    visible = reference.Visibility.at(vis, 0, T, torch.arange(S).view(1, 1, S), (B, T, S))[0]
+    wanted = [5, C, C + 1, 40, 120, 7]  # passing entries per row (ties aside)
+    thr = torch.empty(T, dtype=torch.int32)
+    for r, m in enumerate(wanted):
+        v = torch.where(visible[r], val[r], torch.tensor(NEG_INF)).sort(descending=True).values
+        thr[r] = reference.order_key(v[min(m, int(visible[r].sum())) - 1])
+    old = score_tile.TILE
+    score_tile.TILE = dataclasses.replace(old, append=append, bs=bs)
+    try:
+        pb = hytopk._Problem(q, kx, w, 0.5, True, vis, NEG_INF)
+        guarded = torch.full((T + 32, C + 8), 0x5A5A5A5A5A5A5A5A, dtype=torch.int64)  # rows past T: a guard
+        buf = guarded[:T]
+        cnt = hytopk.filter_rows(pb, thr, buf, C)
+        assert (guarded[T:] == 0x5A5A5A5A5A5A5A5A).all(), "written past the last row"
+    finally:
+        score_tile.TILE = old
+    keys = reference.order_key(val)
+    raw = (val.view(torch.int32).long() << 32) | torch.arange(S)
+    for r in range(T):
+        passing = raw[r][visible[r] & (keys[r] >= thr[r])]
+        assert int(cnt[r]) == passing.numel(), (r, int(cnt[r]), passing.numel())
+        assert (buf[r, C:] == 0x5A5A5A5A5A5A5A5A).all(), f"row {r}: written past the capacity"
+        if passing.numel() <= C:
+            assert torch.equal(buf[r, :passing.numel()].sort().values, passing.sort().values), r
+            assert (buf[r, passing.numel():] == 0x5A5A5A5A5A5A5A5A).all(), r
+        else:
+            written = buf[r, :C][buf[r, :C] != 0x5A5A5A5A5A5A5A5A]
+            assert torch.isin(written, passing).all(), f"row {r}: wrote an entry that does not pass"
+    assert (cnt > C).sum() >= 2 and (cnt == C).sum() >= 1 and (cnt < C).sum() >= 2  # every case was met
+
+
 def test_append_rule():
     """By default the filter reserves slots per thread where many entries pass (capacity >= S / 16) and
     appends per entry where few do; an explicit tile append is kept. The interpreter has no PTX: the
@@ -238,18 +284,17 @@ def test_descriptor_rule():
 
 def test_descriptor_rule_empty_and_filter_launch(monkeypatch):
     """No descriptor for an empty operand (a TensorDescriptor needs every dimension > 0). Where there is
-    PTX and q and kx go by descriptor, the filter's launch options follow its append: 168 registers for
-    the per-entry one, three stages for the reserved one at H >= 32; none where the tile asks for its own
-    append, cap or stages, where the tile is larger, or on the pointer path."""
+    PTX and q and kx go by descriptor, both appends of the filter run at 168 registers (none for the
+    others); no options where the tile asks for its own append, cap or stages, where the tile is larger,
+    or on the pointer path."""
     q, kx, w = inputs(B=1, T=2, H=2, D=16, S=40)
     assert score_tile.tma_views(q[:, :0], kx, score_tile.TILE) == {}
     assert score_tile.tma_views(q, kx[:, :0], score_tile.TILE) == {}
     pb = hytopk._Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF)
     assert pb.block_extra and hytopk.filter_launch(pb, 2, False) == {}  # no PTX: no options
     assert hytopk.filter_launch(pb, 2, True) == {"maxnreg": 168}
-    assert hytopk.filter_launch(pb, 3, True) == {}  # H = 2
-    pb.H = 32
-    assert hytopk.filter_launch(pb, 3, True) == {"num_stages": 3}
+    assert hytopk.filter_launch(pb, 3, True) == {"maxnreg": 168}
+    assert hytopk.filter_launch(pb, 1, True) == {} and hytopk.filter_launch(pb, 0, True) == {}
     for change in [dict(append=3), dict(maxnreg=200), dict(stages=3), dict(bt=128)]:
         pb.tile = dataclasses.replace(score_tile.TILE, **change)
         assert hytopk.filter_launch(pb, 3, True) == {} and hytopk.filter_launch(pb, 2, True) == {}, change
