@@ -341,14 +341,13 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
                   sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                   ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                  HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr = False, q_desc=None):
+                  HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Keys of M evenly spaced positions of the block's range, shared by its rows (one matmul tile).
 
     SPLIT programs share a block's samples; the per-row count of valid samples is an integer atomic sum.
     Without mask or bias the range test runs on 32-bit offsets from the block's start: the 64-bit
     compares of tile_values over the whole tile made this kernel spill (255 registers and 1.4 KB of
-    stack on sm_90). TMA: q through the descriptor of ``tma_views`` (rows b * T + t; rows past T
-    are masked like the pointer path's zeros); the keys are gathered by pointer either way.
+    stack on sm_90).
     """
     split = tl.program_id(0)  # fastest: the programs running together share one query block's q in L2
     b = tl.program_id(1).to(tl.int64)
@@ -364,7 +363,6 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
     w_rows = b * swb + rows_t * swt
     kx_b = kx_ptr + b * skb
     rows_b = rows_t * 0 + b
-    q_row0 = (b * T + pid_t * BT).to(tl.int32)
     lo_rel = (tl.maximum(lo, blo) - blo).to(tl.int32)  # row ranges as offsets from blo (all < 2**31)
     hi_rel = (tl.maximum(hi, blo) - blo).to(tl.int32)
     m = tl.zeros((BT,), dtype=tl.int32)
@@ -377,8 +375,7 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
         ok = row_ok[:, None] & j_ok[None, :]
         if j0 < n:
             acc = score_tile(q_ptr, kx_b, w_ptr, q_rows, w_rows, cols * sks, row_ok, j_ok,
-                             H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC,
-                             q_desc, None, q_row0, 0, TMA, True)
+                             H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC)
             if HAS_MASK or HAS_BIAS:
                 val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, j_ok, lo, hi, fill,
                                             mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK,

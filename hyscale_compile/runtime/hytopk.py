@@ -284,9 +284,8 @@ def sample(pb: _Problem, k: int) -> tuple[Tensor, Tensor, Tensor]:
     msamp = torch.zeros(R, dtype=torch.int32, device=dev)
     if S > cap:
         split = knobs.sample_split or cdiv(M, pb.tile.bs)  # every sample tile its own program
-        q_desc = dict(TMA=True, q_desc=pb.block_extra["q_desc"]) if pb.block_extra else {}
         pb.launch(sample_kernel, (split, B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask,
-                  pb.bias, T, S, pb.H, pb.scale, pb.fill, M, samp.stride(0), split, **q_desc)
+                  pb.bias, T, S, pb.H, pb.scale, pb.fill, M, samp.stride(0), split)
     return buf, samp, msamp
 
 

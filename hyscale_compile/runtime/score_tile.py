@@ -113,8 +113,7 @@ def score_tile(q_ptr, kx_ptr, w_ptr, q_rows, w_rows, k_cols, row_ok, col_ok,
                H, stride_qh, stride_wh, scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-               q_desc=None, k_desc=None, q_row0=0, k_row0=0, TMA: tl.constexpr = False,
-               KEYS_BY_POINTER: tl.constexpr = False):
+               q_desc=None, k_desc=None, q_row0=0, k_row0=0, TMA: tl.constexpr = False):
     """fp32 [BT, BS] scores. q_rows / w_rows / k_cols are int64 element offsets of each row / key.
 
     w_ptr holds scale * w; without weights every head is weighted by ``scale``.
@@ -126,11 +125,10 @@ def score_tile(q_ptr, kx_ptr, w_ptr, q_rows, w_rows, k_cols, row_ok, col_ok,
     and keys past the caller's range hold other data or zeros: the caller masks them, as it masks
     the pointer path's zeros). Same operands, same dots, same epilogue: the same bits wherever the
     row and key are in range (the benchmark floor's row sums add up the rest too).
-    KEYS_BY_POINTER: with TMA, only q comes by descriptor (the sampler gathers its keys).
     """
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    if TMA and not KEYS_BY_POINTER:
+    if TMA:
         kt = k_desc.load([k_row0, 0]).T
     else:
         kt = tl.load(kx_ptr + k_cols[None, :] + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0)
