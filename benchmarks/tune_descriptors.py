@@ -99,9 +99,12 @@ def paths(shape: tuple[int, int, int, int], smoke: bool) -> dict:
 
 
 def appended(buf: torch.Tensor, cnt: torch.Tensor, cap: int) -> torch.Tensor:
-    """Each row's appended entries in ascending order (the atomics' order is not reproducible)."""
+    """Each row's appended entries in ascending order (the atomics' order is not reproducible). A row
+    that overflowed counts as empty: the check stage recovers it whole, and which of its entries were
+    written differs by append (the reserved one writes none of a thread's that would pass cap)."""
     slots = torch.arange(cap, device=buf.device)[None, :]
-    return torch.sort(buf[:, :cap].masked_fill(slots >= cnt[:, None].clamp(max=cap), -1), dim=1).values
+    unused = (slots >= cnt[:, None].clamp(max=cap)) | (cnt[:, None] > cap)
+    return torch.sort(buf[:, :cap].masked_fill(unused, -1), dim=1).values
 
 
 def filters(shape: tuple[int, int, int, int], smoke: bool) -> dict:

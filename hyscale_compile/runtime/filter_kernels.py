@@ -112,7 +112,11 @@ def _emit(val, ok, thr, cols, rid, row_ok, cnt_ptr, buf_ptr, C, stride, sink,
     """Append the entries that are ``ok`` and >= their row's threshold (COUNT mode: count them).
 
     ok by OK: OK_ALL [BT, 1] (every entry of a valid row), OK_TILE [BT, BS], or OK_RANGE a tuple
-    (lo, hi) of int32 [BT] row ranges to test the int32 positions against (lo <= position < hi).
+    (lo, hi) of int32 [BT] row ranges to test the int32 positions against (lo <= position < hi); the
+    range test stands for the row and column bounds too, so it needs 0 <= lo <= hi <= S and
+    lo = hi = 0 for rows past the end (``hytopk.ranges``, ``_block_rows``). An entry passes where
+    val >= thr or either is NaN (setp.geu; a NaN threshold, from NaN samples, passes every entry and
+    overflows the row, which is then recovered).
     """
     if APPEND == 3 and MODE != 3:  # the reserved append takes the range as it is (fewer registers)
         _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, stride, BT, BS, OK, ASM)
@@ -123,7 +127,7 @@ def _emit(val, ok, thr, cols, rid, row_ok, cnt_ptr, buf_ptr, C, stride, sink,
     if APPEND == 2 and MODE != 3:  # the PTX append makes the same compare itself
         _append_asm(cnt_ptr, buf_ptr, rid, ok, val, thr, cols, C, stride)
         return sink
-    passed = ok & ((val >= thr[:, None]) | (val != val))
+    passed = ok & ((val >= thr[:, None]) | (val != val) | (thr != thr)[:, None])
     if MODE == 3:  # the compare without the append (a benchmark diagnostic)
         return sink + tl.sum(passed.to(tl.float32), axis=1)
     raw = raw_entry(val, cols[None, :])
@@ -185,10 +189,10 @@ def _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, strid
     live across the atomic (64 registers a thread: they held the kernel to two tiles per SM). A
     thread whose reserved slots would pass C writes none of them: its row overflowed, so the check
     stage recovers it whole and never reads its buffer; that leaves no bound test per entry.
-    ok, KIND as in _emit: a [BT, BS] one is kept as bits, one word per row and 32 columns; a range is
-    tested per entry in both passes. ASM: the steps in PTX (tl.atomic_add and tl.store would
-    re-lay-out their 64-bit pointer tiles through shared memory); without it the same steps in
-    triton (interpreter).
+    ok, KIND as in _emit: a [BT, BS] one is kept as bits, a word per row for the thread's entries
+    0..31 and one for 32..63; a range is tested per entry in both passes. ASM: the steps in PTX
+    (tl.atomic_add and tl.store would re-lay-out their 64-bit pointer tiles through shared memory);
+    without it the same steps in triton (interpreter).
     """
     N: tl.constexpr = BS // 4
     if ASM:  # a thread per (row, quarter) at most: copies of an element would each run its atomic and stores
@@ -196,7 +200,7 @@ def _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, strid
     vs = _by_thread(val, BT, BS)
     cs = _by_thread(tl.broadcast_to(cols.to(tl.int32)[None, :], (BT, BS)), BT, BS)
     t = _per_thread_row(thr, BT)
-    lo = tl.zeros((BT * 4,), tl.int32)  # KIND 2: the range; KIND 1: the bits of columns < 32 and >= 32
+    lo = tl.zeros((BT * 4,), tl.int32)  # KIND 2: the range; KIND 1: the ok bits of entries 0..31 and 32..63
     hi = tl.zeros((BT * 4,), tl.int32)
     if KIND == 2:
         lo = _per_thread_row(ok[0], BT)
@@ -234,7 +238,7 @@ def _entry_ok(lo, hi, col, i: tl.constexpr, KIND: tl.constexpr):
 
 @triton.jit
 def _count_pass(n, v, t, ok, ASM: tl.constexpr):
-    """n + 1 where ok and (v >= t or v is NaN) (setp.geu: greater-equal or unordered), else n."""
+    """n + 1 where ok and (v >= t or either is NaN) (setp.geu: greater-equal or unordered), else n."""
     if ASM:
         return tl.inline_asm_elementwise(
             """
@@ -247,7 +251,7 @@ def _count_pass(n, v, t, ok, ASM: tl.constexpr):
             }
             """,
             "=r,r,f,f,r", [n, v, t, ok + tl.zeros_like(n)], dtype=tl.int32, is_pure=True, pack=1)
-    return n + (((v >= t) | (v != v)) & (ok != 0)).to(tl.int32)
+    return n + (((v >= t) | (v != v) | (t != t)) & (ok != 0)).to(tl.int32)
 
 
 @triton.jit
@@ -271,7 +275,7 @@ def _reserve(ctr, n, lim, ASM: tl.constexpr):
 
 @triton.jit
 def _store_pass(row, slot, v, t, col, go, ASM: tl.constexpr):
-    """Where go and (v >= t or v is NaN): row[slot] = {position col, bits of v} (raw_entry) as one
+    """Where go and (v >= t or either is NaN): row[slot] = {position col, bits of v} (raw_entry) as one
     8-byte store, and slot + 1 is returned; elsewhere slot."""
     if ASM:
         return tl.inline_asm_elementwise(
@@ -290,7 +294,7 @@ def _store_pass(row, slot, v, t, col, go, ASM: tl.constexpr):
             """,
             "=r,l,r,f,f,r,r,r", [row.to(tl.int64), slot, v, t, col, go, v.to(tl.int32, bitcast=True)],
             dtype=tl.int32, is_pure=False, pack=1)
-    p = ((v >= t) | (v != v)) & (go != 0)
+    p = ((v >= t) | (v != v) | (t != t)) & (go != 0)
     tl.store(row + slot, raw_entry(v, col), mask=p)
     return slot + p.to(tl.int32)
 

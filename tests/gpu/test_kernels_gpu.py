@@ -180,3 +180,16 @@ def test_recovery_sync_free_and_graph_capture():
         torch.cuda.synchronize()
     for out in (again, captured):
         assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)) and torch.equal(out[1], ref[1])
+
+
+@pytest.mark.parametrize("bs,masked,windows", [(128, False, True), (128, True, True), (128, False, False),
+                                               (256, True, True)])
+def test_reserved_append_capacity_contract(bs, masked, windows):
+    """tests/filter_contract.py with the reserved append in PTX (the interpreter runs its triton twin):
+    counts, rows within the capacity exact, overflowed rows holding only passing entries, nothing
+    written past the capacity or the last row; at the default 128 keys a tile and at 256."""
+    import filter_contract
+
+    q, kx, w = exact_inputs(1, 70, 4, 64, 3000, seed=7)
+    cnt, C = filter_contract.check(q, kx, w.abs() + 0.25, 64, append=3, bs=bs, masked=masked, windows=windows)
+    assert (cnt > C).sum() >= 2 and (cnt <= C).sum() >= 2
