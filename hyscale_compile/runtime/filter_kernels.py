@@ -12,12 +12,12 @@ import triton.language as tl
 
 from .score_tile import act_fma, key_value, order_key, raw_entry, score_tile, tile_values
 
-# block_kernel modes (host side; the kernel compares the literals, jit code reads no globals)
+# block_kernel modes (host side; the kernel compares the literals)
 MODE_FLOOR = 0
 MODE_TABLE = 1
 MODE_FILTER = 2
 MODE_COUNT = 3
-# what says which entries of a tile are in range (_emit's OK)
+# what says which entries of a tile are in range (_emit's OK; constexpr globals the jit code reads)
 OK_ALL = tl.constexpr(0)
 OK_TILE = tl.constexpr(1)
 OK_RANGE = tl.constexpr(2)
@@ -121,13 +121,13 @@ def _emit(val, ok, thr, cols, rid, row_ok, cnt_ptr, buf_ptr, C, stride, sink,
     if APPEND == 3 and MODE != 3:  # the reserved append takes the range as it is (fewer registers)
         _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, stride, BT, BS, OK, ASM)
         return sink
-    if OK == 2:
+    if OK == OK_RANGE:
         c32 = cols.to(tl.int32)[None, :]
         ok = (c32 >= ok[0][:, None]) & (c32 < ok[1][:, None])
     if APPEND == 2 and MODE != 3:  # the PTX append makes the same compare itself
         _append_asm(cnt_ptr, buf_ptr, rid, ok, val, thr, cols, C, stride)
         return sink
-    passed = ok & ((val >= thr[:, None]) | (val != val) | (thr != thr)[:, None])
+    passed = ok & _passes(val, thr[:, None])
     if MODE == 3:  # the compare without the append (a benchmark diagnostic)
         return sink + tl.sum(passed.to(tl.float32), axis=1)
     raw = raw_entry(val, cols[None, :])
@@ -200,12 +200,12 @@ def _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, strid
     vs = _by_thread(val, BT, BS)
     cs = _by_thread(tl.broadcast_to(cols.to(tl.int32)[None, :], (BT, BS)), BT, BS)
     t = _per_thread_row(thr, BT)
-    lo = tl.zeros((BT * 4,), tl.int32)  # KIND 2: the range; KIND 1: the ok bits of entries 0..31 and 32..63
+    lo = tl.zeros((BT * 4,), tl.int32)  # OK_RANGE: the range; OK_TILE: the ok bits of entries 0..31, 32..63
     hi = tl.zeros((BT * 4,), tl.int32)
-    if KIND == 2:
+    if KIND == OK_RANGE:
         lo = _per_thread_row(ok[0], BT)
         hi = _per_thread_row(ok[1], BT)
-    elif KIND == 1:
+    elif KIND == OK_TILE:
         oks = _by_thread(ok.to(tl.int32), BT, BS)
         for i in tl.static_range(N):
             if i < 32:
@@ -225,15 +225,21 @@ def _append_reserved(cnt_ptr, buf_ptr, rid, row_ok, ok, val, thr, cols, C, strid
 
 @triton.jit
 def _entry_ok(lo, hi, col, i: tl.constexpr, KIND: tl.constexpr):
-    """Entry i's ok (1 or 0): always (KIND 0), its bit (1), or lo <= col < hi (2)."""
-    if KIND == 0:
+    """Entry i's ok (1 or 0): always (OK_ALL), its bit (OK_TILE), or lo <= col < hi (OK_RANGE)."""
+    if KIND == OK_ALL:
         return 1
-    elif KIND == 2:
+    elif KIND == OK_RANGE:
         return ((col >= lo) & (col < hi)).to(tl.int32)
     elif i < 32:
         return (lo >> i) & 1
     else:
         return (hi >> (i - 32)) & 1
+
+
+@triton.jit
+def _passes(v, t):
+    """v >= t, or either is NaN: what PTX's setp.geu (greater-equal or unordered) computes."""
+    return (v >= t) | (v != v) | (t != t)
 
 
 @triton.jit
@@ -251,7 +257,7 @@ def _count_pass(n, v, t, ok, ASM: tl.constexpr):
             }
             """,
             "=r,r,f,f,r", [n, v, t, ok + tl.zeros_like(n)], dtype=tl.int32, is_pure=True, pack=1)
-    return n + (((v >= t) | (v != v) | (t != t)) & (ok != 0)).to(tl.int32)
+    return n + (_passes(v, t) & (ok != 0)).to(tl.int32)
 
 
 @triton.jit
@@ -294,7 +300,7 @@ def _store_pass(row, slot, v, t, col, go, ASM: tl.constexpr):
             """,
             "=r,l,r,f,f,r,r,r", [row.to(tl.int64), slot, v, t, col, go, v.to(tl.int32, bitcast=True)],
             dtype=tl.int32, is_pure=False, pack=1)
-    p = ((v >= t) | (v != v) | (t != t)) & (go != 0)
+    p = _passes(v, t) & (go != 0)
     tl.store(row + slot, raw_entry(v, col), mask=p)
     return slot + p.to(tl.int32)
 
