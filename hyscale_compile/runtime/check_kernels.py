@@ -3,9 +3,10 @@
 After the filter, a row is flagged when its buffer overflowed (count > capacity) or when the
 candidates and out-of-range extras it holds may not reach k. For the recovery the flagged rows are
 listed in row order (rank -> row) with their number on the device; for the final select each row's
-used slots are written; the run-time statistics are added to on the device. This was some thirty
-small torch ops per call, most of a small select's host time; here it is one program that scans
-the rows in blocks (a carried prefix count), so nothing waits for the host.
+used slots are written, and how many of the slots past them it must read; the run-time statistics
+are added to on the device. This was some thirty small torch ops per call, most of a small select's
+host time; here it is one program that scans the rows in blocks (a carried prefix count), so nothing
+waits for the host.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from torch import Tensor
 
 
 @triton.jit
-def check_kernel(cnt_ptr, thr_ptr, lo_ptr, hi_ptr, used_ptr, rows_ptr, nflag_ptr, stats_ptr,
+def check_kernel(cnt_ptr, thr_ptr, lo_ptr, hi_ptr, used_ptr, tail_ptr, rows_ptr, nflag_ptr, stats_ptr,
                  R, S, k, cap, fill_key, fallback_rows, BLOCK: tl.constexpr):
     """One program over all R rows.
 
     cnt: int32 appends per row (may exceed cap); thr: int32 order key of the row threshold; lo, hi:
     int64 row ranges. A row whose threshold is at or below the fill's key also holds its
     min(S - (hi - lo), k) out-of-range extras. Writes used[r] (int32: min(k, cap) for a flagged row,
-    whose recovered top k fills the buffer from slot 0; else min(cnt, cap)), rows[rank] = r for the
+    whose recovered top k fills the buffer from slot 0; else min(cnt, cap)), tail[r] (int32: the slots
+    past the cap that may hold part of the top k: the extras where the row holds them, none where its
+    threshold lies above the fill (no extra can outrank its >= k candidates), all k for a flagged row,
+    whose recovery may write there), rows[rank] = r for the
     flagged rows in row order, nflag, and adds (1 call, R rows, nflag recovered, 1 fallback if
     nflag > fallback_rows, the kept candidates) to the stats counters (runtime.stats' slot order).
     """
@@ -40,6 +44,7 @@ def check_kernel(cnt_ptr, thr_ptr, lo_ptr, hi_ptr, used_ptr, rows_ptr, nflag_ptr
         hi = tl.load(hi_ptr + r, mask=ok, other=0)
         ext = tl.where(thr <= fill_key, tl.minimum(S - (hi - lo), k), 0)
         flag = ok & ((cnt > cap) | (cnt.to(tl.int64) + ext < k))
+        tl.store(tail_ptr + r, tl.where(flag, k, ext).to(tl.int32), mask=ok)
         f = flag.to(tl.int32)
         rank = nflag + tl.cumsum(f, axis=0) - f
         tl.store(rows_ptr + rank, r.to(tl.int64), mask=flag)
@@ -67,11 +72,12 @@ def check_warps(block: int) -> int:
 
 
 def check_reference(cnt: Tensor, thr: Tensor, lo: Tensor, hi: Tensor, S: int, k: int, cap: int,
-                    fill_key: int) -> tuple[Tensor, Tensor, int, int]:
-    """Plain torch twin of check_kernel, the formulas of the torch ops it replaced: (used, flagged rows in
-    row order, nflag, kept candidates)."""
+                    fill_key: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """Plain torch twin of check_kernel, the formulas of the torch ops it replaced: (used, tail, flagged rows
+    in row order, nflag, kept candidates)."""
     ext = torch.where(thr.long() <= fill_key, (S - (hi - lo)).clamp(max=k), torch.zeros_like(lo))
     flag = (cnt > cap) | (cnt.long() + ext < k)
     used = torch.where(flag, min(k, cap), cnt.clamp(max=cap)).to(torch.int32)
+    tail = torch.where(flag, k, ext).to(torch.int32)
     rows = torch.nonzero(flag).flatten()
-    return used, rows, int(flag.sum()), int(cnt.clamp(max=cap).sum())
+    return used, tail, rows, int(flag.sum()), int(cnt.clamp(max=cap).sum())

@@ -212,12 +212,14 @@ def sort_decode_kernel(comp_ptr, val_ptr, k, KP: tl.constexpr):
 # W and cap unspecialized: rows then look unaligned, so the loads are not vectorized and keep the layout
 # of the scattered stores (no re-layout through shared memory between them).
 @triton.jit(do_not_specialize=["W", "cap"])
-def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, next_ptr, R, W, C, k, cap, i_hi,
-                        i_lo, room, npool, S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr,
-                        TPB: tl.constexpr, USED: tl.constexpr, FINISH: tl.constexpr, ROW_LISTS: tl.constexpr):
+def final_select_kernel(buf_ptr, used_ptr, tail_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, next_ptr, R, W, C, k, cap,
+                        i_hi, i_lo, room, npool, S: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr,
+                        TPB: tl.constexpr, USED: tl.constexpr, TAIL: tl.constexpr, FINISH: tl.constexpr,
+                        ROW_LISTS: tl.constexpr):
     """out[r, :k] = the k largest composites of raw row r, unsorted; fast[r] = 1 where the pivots held.
 
-    With USED, only the first used[r] of the row's first C slots hold entries (the rest is never read).
+    With USED, only the first used[r] of the row's first C slots hold entries (the rest is never read),
+    and with TAIL only the first tail[r] of the slots from C (the rest is never read either).
     FINISH then decodes each row's winners in place, val[r, :k] the canonical values and out[r, :k]
     the positions (int64); without it they stay composites (sort_decode_kernel sorts and decodes them).
     Unsorted, they come in the order of the row's slots (which the filter's atomics decided).
@@ -239,6 +241,8 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
         if USED:
             seam = tl.load(used_ptr + row)
             n, jump = W - (C - seam), C - seam
+            if TAIL:
+                n = seam + tl.load(tail_ptr + row)
             if ROW_LISTS:
                 scr = src + seam
                 lcap = C - seam
@@ -248,7 +252,7 @@ def final_select_kernel(buf_ptr, used_ptr, out_ptr, val_ptr, scr_ptr, fast_ptr, 
                         scr = scr_ptr + pl.to(tl.int64) * cap
                         lcap = cap
         p = (j.to(tl.int64) * W) // S  # the pivots sample the physical row: unused slots count as empty
-        samp = tl.sort(_raw_comps(src, p, (p < seam) | (p >= C)), descending=True)
+        samp = tl.sort(_raw_comps(src, p, (p < seam) | ((p >= C) & (p - jump < n))), descending=True)
         hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
         hi = tl.where(hi == _MIN, _MAX, hi)  # no such rank, or an empty slot: nothing is a sure winner
         lo = tl.maximum(tl.max(tl.where(j == i_lo, samp, _MIN), axis=0), _MIN + 1)  # never admit empties
@@ -335,7 +339,9 @@ def _programs(device: torch.device) -> int:
     return 2
 
 
-Used = tuple[Tensor, int] | None  # (int32 [R] counts, C): only the first counts[r] of slots [0, C) hold entries
+# (int32 [R] counts, C[, int32 [R] tail]): only the first counts[r] of slots [0, C) hold entries, and (with
+# tail) only the first tail[r] of the slots from C
+Used = tuple[Tensor, int] | tuple[Tensor, int, Tensor] | None
 
 
 def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used, sample: int,
@@ -352,17 +358,20 @@ def _launch(buf: Tensor, k: int, out: Tensor, values: Tensor | None, used: Used,
     fast = torch.empty(R, dtype=torch.int8, device=buf.device)
     if R == 0:
         return fast
-    counts, C = used if used is not None else (fast, W)
+    counts, C = used[:2] if used is not None else (fast, W)
+    tail = used[2] if used is not None and len(used) == 3 else None
     assert counts.dtype in (torch.int8, torch.int32) and counts.shape == (R,) and 0 <= C <= W, "used: int32 [R], C"
+    assert tail is None or (tail.dtype == torch.int32 and tail.shape == (R,)), "used's tail: int32 [R]"
     assert used is not None or not row_lists, "row_lists: the lists live in the unused slots that used names"
     nprog = min(R, _programs(buf.device))
     npool = (pool_lists(R) if pool is None else pool) if row_lists else nprog
     scratch = torch.empty(max(1, npool), cap, dtype=torch.int64, device=buf.device)
     counters = torch.zeros(2, dtype=torch.int32, device=buf.device)  # next row, next pool list
-    final_select_kernel[(nprog,)](buf, counts, out, out if values is None else values, scratch, fast, counters, R, W,
-                                  C, k, cap, i_hi, i_lo, list_room(k, W, sample), npool, S=sample, CH=chunk,
-                                  LCH=list_chunk, TPB=32 * warps, USED=used is not None, FINISH=values is not None,
-                                  ROW_LISTS=row_lists, num_warps=warps)
+    final_select_kernel[(nprog,)](buf, counts, counts if tail is None else tail, out, out if values is None else values,
+                                  scratch, fast, counters, R, W, C, k, cap, i_hi, i_lo, list_room(k, W, sample), npool,
+                                  S=sample, CH=chunk, LCH=list_chunk, TPB=32 * warps, USED=used is not None,
+                                  TAIL=tail is not None, FINISH=values is not None, ROW_LISTS=row_lists,
+                                  num_warps=warps)
     return fast
 
 
@@ -445,7 +454,8 @@ def select_rows(buf: Tensor, k: int, used: Used = None, sorted: bool = True,
     Returns (values fp32 [R, k], positions int64 [R, k]) ordered by value descending, ties by position
     ascending, NaN above +inf and -0.0 == +0.0, values canonical (NaN as 0x7FC00000, -0.0 as +0.0).
     Every row must hold at least k entries. With ``used = (counts, C)`` slots [counts[r], C) of row r
-    are unused, whatever they hold (counts must not exceed C: nothing checks it on the device).
+    are unused, whatever they hold (counts must not exceed C: nothing checks it on the device); with
+    ``used = (counts, C, tail)`` so are its slots from C + tail[r] on (tail must not exceed W - C).
     sorted=False: the same k entries per row, in the order of their slots. row_lists (with used): the
     selection's working lists go into the unused slots, which then hold other garbage.
     """
@@ -456,9 +466,11 @@ def select_rows(buf: Tensor, k: int, used: Used = None, sorted: bool = True,
 def select_rows_reference(buf: Tensor, k: int, used: Used = None) -> tuple[Tensor, Tensor]:
     """The same in plain PyTorch: composites of the whole buffer, torch.topk, decode in int64."""
     if used is not None:
-        counts, C = used
+        counts, C = used[:2]
         slot = torch.arange(buf.shape[1], device=buf.device)
         buf = torch.where((slot >= counts.view(-1, 1)) & (slot < C), -1, buf)
+        if len(used) == 3:
+            buf = torch.where(slot >= C + used[2].view(-1, 1), -1, buf)
     pos = buf & 0xFFFFFFFF
     key = order_key_ref((buf >> 32).to(torch.int32).view(torch.float32))
     comp = torch.where(buf == -1, INT64_MIN, (key << 32) | (0xFFFFFFFF - pos))

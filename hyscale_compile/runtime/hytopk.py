@@ -243,22 +243,24 @@ def row_lists(k: int, S: int, width: int, vis: Visibility) -> bool:
     return lists_fit_rows(k, width, cap - target)
 
 
-def candidates(pb: _Problem, k: int) -> tuple[Tensor, tuple[Tensor, int]]:
+def candidates(pb: _Problem, k: int) -> tuple[Tensor, tuple[Tensor, int, Tensor]]:
     """Row buffers [R, C + k] of raw entries that contain each row's exact top k (all stages but the
-    last), and which of their C candidate slots are used: (int32 [R] counts, C); the rest is garbage."""
+    last), and which of their slots can hold part of it: (int32 [R] counts, C, int32 [R] tail), the first
+    counts[r] of the C candidate slots and the first tail[r] of the k slots past them; the rest is garbage."""
     R = pb.B * pb.T
     buf, thr = sample_threshold(pb, k)
     _, cap, _ = sizes(k, pb.S)
     cnt = filter_rows(pb, thr, buf, cap)
     # check: flag rows that overflowed or may miss part of their top k, list them, count them
     used = torch.empty(R, dtype=torch.int32, device=pb.device)
+    tail = torch.empty(R, dtype=torch.int32, device=pb.device)
     rows = torch.empty(R + 1, dtype=torch.int64, device=pb.device)
     nflag = torch.empty(1, dtype=torch.int32, device=pb.device)
     block = check_block(R)
-    check_kernel[(1,)](cnt, thr, pb.lo, pb.hi, used, rows, nflag, stats.counters(pb.device), R, pb.S, k, cap,
+    check_kernel[(1,)](cnt, thr, pb.lo, pb.hi, used, tail, rows, nflag, stats.counters(pb.device), R, pb.S, k, cap,
                        fill_key(pb.fill), stats.FALLBACK_ROWS, BLOCK=block, num_warps=check_warps(block))
     _recover(pb, k, nflag, rows, buf, buf.shape[1])
-    return buf, (used, cap)
+    return buf, (used, cap, tail)
 
 
 def sample_threshold(pb: _Problem, k: int) -> tuple[Tensor, Tensor]:

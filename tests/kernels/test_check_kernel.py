@@ -30,18 +30,20 @@ def test_check_kernel_matches_reference(R, block):
     S, k, cap, fill_key = 500, 40, 64, 0
     cnt, thr, lo, hi = _rows(R, S, k, cap, seed=R)
     used = torch.full((R,), -7, dtype=torch.int32, device=DEV)
+    tail = torch.full((R,), -7, dtype=torch.int32, device=DEV)
     rows = torch.full((R + 1,), -7, dtype=torch.int64, device=DEV)
     nflag = torch.full((1,), -7, dtype=torch.int32, device=DEV)
     counters = torch.tensor([3, 100, 5, 1, 900], dtype=torch.int64, device=DEV)  # added to, not overwritten
-    ck.check_kernel[(1,)](cnt, thr, lo, hi, used, rows, nflag, counters, R, S, k, cap, fill_key, 2, BLOCK=block,
+    ck.check_kernel[(1,)](cnt, thr, lo, hi, used, tail, rows, nflag, counters, R, S, k, cap, fill_key, 2, BLOCK=block,
                           num_warps=ck.check_warps(block))
-    want_used, want_rows, want_n, want_kept = ck.check_reference(cnt, thr, lo, hi, S, k, cap, fill_key)
-    assert torch.equal(used, want_used)
+    want_used, want_tail, want_rows, want_n, want_kept = ck.check_reference(cnt, thr, lo, hi, S, k, cap, fill_key)
+    assert torch.equal(used, want_used) and torch.equal(tail, want_tail)
     assert int(nflag) == want_n
     assert torch.equal(rows[:want_n], want_rows)
     assert counters.tolist() == [4, 100 + R, 5 + want_n, 1 + (want_n > 2), 900 + want_kept]
     if R > 1:
         assert 0 < want_n < R  # the rows exercise both outcomes
+        assert 0 < int((want_tail == 0).sum()) < R - want_n  # and rows that need their extras and rows that don't
 
 
 def test_check_block_bounds():

@@ -234,6 +234,29 @@ def test_unused_slots_are_never_read():
     assert torch.equal(v2.view(torch.int32), r2[0].view(torch.int32)) and torch.equal(i2, r2[1])
 
 
+def test_slots_past_the_tail_are_never_read():
+    """used = (counts, C, tail): of the slots from C only the first tail[r] count (the check stage sets
+    tail = 0 where the row's threshold lies above the fill); the rest hold garbage that would win. Both
+    paths, a tail of every length, and the reference, which must agree with a buffer cut to its tails."""
+    R, W, C, k = 4, 160, 120, 14
+    g = torch.Generator().manual_seed(40)
+    buf = rows_of(torch.randint(-4, 5, (R, W), generator=g) / 2, R, W, W, seed=41)
+    counts = torch.tensor([C, 50, 14, 30], dtype=torch.int32)
+    tail = torch.tensor([0, 3, W - C, 0], dtype=torch.int32)  # row 2: its top k needs its extras
+    slot = torch.arange(W)
+    past = slot >= C + tail.view(-1, 1)
+    garbage = raw(torch.full((R, W), 1e30), slot.expand(R, W))
+    buf = torch.where(past.to(DEV), garbage.to(DEV), buf)
+    used = (counts.to(DEV), C, tail.to(DEV))
+    v, _ = check(buf, k, used=used, **SMALL)
+    assert not bool((v == 1e30).any())
+    check(buf, k, fast=False, used=used, **dict(SMALL, cap=1))
+    check(buf, k, used=used, **dict(SMALL, row_lists=True, cap=W))
+    cut = torch.where(past.to(DEV), SENTINEL, buf)
+    assert all(torch.equal(a, b) for a, b in zip(fs.select_rows_reference(buf, k, used),
+                                                 fs.select_rows_reference(cut, k, used[:2])))
+
+
 @pytest.mark.parametrize("case", ["rooms", "pool", "no_pool"])
 def test_row_lists(case):
     """row_lists: each row's list in its own unused slots [counts[r], C), or where fewer than list_room
