@@ -57,7 +57,7 @@ class Knobs:
     target: int | None = None  # candidates aimed for per row (a tiny one forces too-few -> recovery)
     samples: int | None = None  # sample positions per query block
     programs: int | None = None  # programs to aim for per launch
-    sample_split: int | None = None  # sampling programs per query block (default: one per sample tile)
+    sample_split: int | None = None  # sampling programs per query block (default: one per two sample tiles)
     rescore_tile: bool = False  # rescore through whole score tiles (slow cross-check of the row kernel)
 
 
@@ -285,7 +285,9 @@ def sample(pb: _Problem, k: int) -> tuple[Tensor, Tensor, Tensor]:
     assert M * M < 2**31, f"samples={M}: the sample positions are computed in int32 (at most 46340 samples)"
     msamp = torch.zeros(R, dtype=torch.int32, device=dev)
     if S > cap:
-        split = knobs.sample_split or cdiv(M, pb.tile.bs)  # every sample tile its own program
+        # two sample tiles a program: on the H200 (M = 4096) 4-14% faster than one at every benchmark shape,
+        # and than four at H >= 32 (NOTES-selection.md, v12); the samples are the same bits either way
+        split = knobs.sample_split or cdiv(M, 2 * pb.tile.bs)
         pb.launch(sample_kernel, (split, B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, samp, msamp, pb.mask,
                   pb.bias, T, S, pb.H, pb.scale, pb.fill, M, samp.stride(0), split)
     return buf, samp, msamp

@@ -392,9 +392,10 @@ def _sample_keys_reference(values, lo, hi, M: int, bt: int):
     return keys
 
 
+@pytest.mark.parametrize("split", [None, 1])  # the default, and one program over every sample tile
 @pytest.mark.parametrize("capacity", [16, 400])  # samples in a buffer of their own, and in the row's slots
 @pytest.mark.parametrize("case", ["causal", "windows_mask"])
-def test_sample_keys_match_reference(case, capacity):
+def test_sample_keys_match_reference(case, capacity, split):
     """The threshold only steers performance (results are exact whatever it is), so the sample keys get
     a test of their own: strided positions (701 keys, 300 samples: step 2, remainder 101), two query
     blocks, rows whose ranges differ, and a mask (masked positions in range are samples of value fill)."""
@@ -407,7 +408,7 @@ def test_sample_keys_match_reference(case, capacity):
         starts = torch.randint(0, 300, (B, T), generator=g)
         ends = starts + torch.randint(0, 400, (B, T), generator=g)
         vis = Visibility(starts=starts, ends=ends, mask=torch.rand(B, T, S, generator=g) < 0.8)
-    with knobs(capacity=capacity, target=8, samples=M):
+    with knobs(capacity=capacity, target=8, samples=M, sample_split=split):
         pb = hytopk._Problem(q, kx, w, 0.5, True, vis, -3.0)
         _, samp, msamp = hytopk.sample(pb, 5)
     values = reference.value_rows(q, kx, w, 0.5, True, vis, -3.0, 0, T)
