@@ -504,3 +504,33 @@ def test_fill_bits_and_keys_tell_signed_zeros_apart():
     assert hytopk.fill_key(-0.0) == hytopk.fill_key(0.0)  # the order ranks them equal, like torch.topk
     nan = float("nan")
     assert hytopk.fill_bits(nan) == hytopk.fill_bits(float("nan"))
+
+
+@pytest.mark.parametrize("case", ["causal_offsets", "partial_extras"])
+def test_check_tails_meet_the_final_select_kernel(case):
+    """Under the interpreter select() finishes with the reference, so here the check stage's real
+    tails go through the final select kernel itself: rows that skip their extras (threshold above the
+    fill), rows that read some or all of them, flagged rows; the fast path and the forced slow one."""
+    from hyscale_compile.runtime import final_select as fs
+
+    q, kx, w = inputs(B=2, T=4, S=48, seed=40)
+    k, relu, fill, kn = {
+        "causal_offsets": (6, True, -1.0, dict(capacity=12, target=8, samples=16)),
+        "partial_extras": (6, False, 0.5, dict(capacity=16, target=12, samples=16)),
+    }[case]
+    vis = {"causal_offsets": Visibility(causal=True, offset=10, offsets=torch.tensor([0, 30])),
+           "partial_extras": Visibility(causal=True, offset=44)}[case]
+    rv, ri = reference.select(q, kx, w, k, 0.5, relu, vis, fill)
+    with knobs(**kn):
+        pb = hytopk._Problem(q, kx, w, 0.5, relu, vis, fill)
+        buf, used = hytopk.candidates(pb, k)
+    tail, extras = used[2], (pb.S - (pb.hi - pb.lo)).clamp(max=k).reshape(-1)
+    if case == "causal_offsets":  # rows that hold extras yet skip them, and rows that read all k
+        assert bool(((tail == 0) & (extras > 0)).any()) and bool((tail == k).any())
+    else:  # rows that read a few extras: their top k needs them
+        assert bool(((tail > 0) & (tail < k)).any())
+        cut = (used[0], used[1], torch.zeros_like(tail))
+        assert not torch.equal(fs.select_rows_reference(buf, k, used)[1], fs.select_rows_reference(buf, k, cut)[1])
+    for kw in (dict(), dict(cap=1)):
+        v, i, _ = fs.select_sorted(buf.clone(), k, used=used, sample=32, chunk=64, list_chunk=32, warps=1, **kw)
+        assert same(v.view(rv.shape), rv) and torch.equal(i.view(ri.shape), ri)
