@@ -3,7 +3,8 @@
     sample     -> per row, keys of M evenly spaced positions of its range       (sample_kernel)
     threshold  -> the ceil(target*m/ctx)-th best sample; writes the row's extras (threshold_kernel)
     filter     -> score tiles on chip, append composites >= threshold            (block_kernel)
-    check      -> flag rows whose buffer overflowed or may miss part of the top-k (check_kernel)
+    check      -> flag rows whose buffer overflowed or may miss part of the top-k, and note which
+                  rows' extras can rank at all                                  (check_kernel)
     recovery   -> flagged rows: radix select over recomputed scores              (recover_kernel)
     select     -> top-k of each row buffer by the unique (value, position) composite (final_select)
 
