@@ -420,13 +420,24 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
         rank = (target * m + ctx - 1) // tl.maximum(ctx, 1)
         js = tl.arange(0, MB)
         keys = tl.load(samp_ptr + r * samp_stride + js, mask=js < M, other=-2147483648)
+        # the largest x with #(keys >= x) >= rank, by bisection over int32 (at most 32 passes, each
+        # one compare and one count a key). A count of exactly rank ends it early: the smallest key
+        # counted is x. With distinct keys that comes after ~log2(M) + 1 passes instead of 32.
         a = tl.full((), -2147483648, tl.int64)
         z = tl.full((), 2147483647, tl.int64)
-        for _ in range(32):  # largest x with #(keys >= x) >= rank; x stays in int32's range
+        hit = tl.full((), 2147483648, tl.int64)  # no pass counted exactly rank
+        while a < z:
             mid = (a + z + 1) >> 1
-            enough = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32), axis=0) >= rank
-            a = tl.where(enough, mid, a)
-            z = tl.where(enough, z, mid - 1)
+            cnt = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32), axis=0)
+            if cnt == rank:
+                hit = mid
+                z = a
+            elif cnt > rank:
+                a = mid
+            else:
+                z = mid - 1
+        if hit <= 2147483647:
+            a = tl.min(tl.where(keys >= hit.to(tl.int32), keys, 2147483647), axis=0).to(tl.int64)
         use = (ctx > C) & (rank >= 1) & (rank <= m)
         thr = tl.where(use, a, thr)
     tl.store(thr_ptr + r, thr.to(tl.int32))
