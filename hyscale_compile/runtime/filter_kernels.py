@@ -422,7 +422,8 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
         keys = tl.load(samp_ptr + r * samp_stride + js, mask=js < M, other=-2147483648)
         # the largest x with #(keys >= x) >= rank, by bisection over int32 (at most 32 passes, each
         # one compare and one count a key). A count of exactly rank ends it early: the smallest key
-        # counted is x. With distinct keys that comes after ~log2(M) + 1 passes instead of 32.
+        # counted is x. That comes once the bracket is narrower than the gap between the rank-th and
+        # the next key; only ties at the rank need all 32 (H200, 4096 samples: 0.117 -> 0.079 ms).
         a = tl.full((), -2147483648, tl.int64)
         z = tl.full((), 2147483647, tl.int64)
         hit = tl.full((), 2147483648, tl.int64)  # no pass counted exactly rank
