@@ -28,9 +28,9 @@ def check_kernel(cnt_ptr, thr_ptr, lo_ptr, hi_ptr, used_ptr, tail_ptr, rows_ptr,
     whose recovered top k fills the buffer from slot 0; else min(cnt, cap)), tail[r] (int32: the slots
     past the cap that may hold part of the top k: the extras where the row holds them, none where its
     threshold lies above the fill (no extra can outrank its >= k candidates), all k for a flagged row,
-    whose recovery may write there), rows[rank] = r for the
-    flagged rows in row order, nflag, and adds (1 call, R rows, nflag recovered, 1 fallback if
-    nflag > fallback_rows, the kept candidates) to the stats counters (runtime.stats' slot order).
+    whose recovery may write there), rows[rank] = r for the flagged rows in row order, nflag, and adds
+    (1 call, R rows, nflag recovered, 1 fallback if nflag > fallback_rows, the kept candidates) to the
+    stats counters (runtime.stats' slot order).
     """
     offs = tl.arange(0, BLOCK)
     nflag = tl.zeros((), dtype=tl.int32)
