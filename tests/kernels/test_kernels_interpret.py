@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hyscale_compile.runtime import dispatch, hytopk, reference, score_tile, stats
+from hyscale_compile.runtime import final_select as fs
 from hyscale_compile.runtime.reference import Visibility
 from hyscale_compile.testing import assert_same_topk
 
@@ -511,8 +512,6 @@ def test_check_tails_meet_the_final_select_kernel(case):
     """Under the interpreter select() finishes with the reference, so here the check stage's real
     tails go through the final select kernel itself: rows that skip their extras (threshold above the
     fill), rows that read some or all of them, flagged rows; the fast path and the forced slow one."""
-    from hyscale_compile.runtime import final_select as fs
-
     q, kx, w = inputs(B=2, T=4, S=48, seed=40)
     k, relu, fill, kn = {
         "causal_offsets": (6, True, -1.0, dict(capacity=12, target=8, samples=16)),
