@@ -7,10 +7,12 @@ Three tables, each measured in one run on the device, every variant's bits check
 - ``filter``: the filter alone on the descriptor path, per append (2: per entry, 3: slots reserved per
   thread), pipeline stages and register cap (``hytopk.filter_launch`` picks from these); each variant's
   appended entries, sorted per row, must equal the first variant's;
+- ``append``: the filter alone with either append at 168 registers, at shares of passing keys from
+  0.7% to 5.5% and 16 to 64 heads (the evidence for ``hytopk.append_kind``'s rule);
 - ``sort``: ``final_select.sort_decode_kernel`` at 1..16 warps on composites with many tied values,
   against ``torch.sort``.
 
-    python benchmarks/tune_descriptors.py [--parts paths,filter,sort] [--out results/tune_descriptors.json]
+    python benchmarks/tune_descriptors.py [--parts paths,filter,append,sort] [--out results/tune_descriptors.json]
     TRITON_INTERPRET=1 python benchmarks/tune_descriptors.py --smoke    # tiny shapes on the CPU, prints only
 """
 
@@ -42,6 +44,12 @@ FILTER_VARIANTS = {  # name: TileConfig changes (tma stays on)
     "a3_s2": dict(append=3), "a2_s2": dict(append=2), "a3_s3": dict(append=3, stages=3),
     "a2_s3": dict(append=2, stages=3), "a3_r168": dict(append=3, maxnreg=168), "a2_r168": dict(append=2, maxnreg=168),
 }
+# the append rule (hytopk.append_kind): shares of passing keys from 0.7% to 5.5%, at 16 to 64 heads
+APPEND_SHAPES = [(2048, 524288, 16, 2048), (2048, 524288, 64, 2048), (4096, 262144, 16, 512),
+                 (4096, 262144, 32, 512), (4096, 262144, 64, 512), (2048, 524288, 16, 1024),
+                 (4096, 262144, 64, 1024), (1024, 1048576, 16, 2048), (1024, 1048576, 64, 2048),
+                 (4096, 131072, 32, 2048)]
+APPEND_VARIANTS = ("a2_r168", "a3_r168")  # the two appends as filter_launch runs them
 SORT_SHAPES = [(4096, 2048), (8192, 2048), (2048, 2048), (4096, 512)]  # rows, k
 SORT_WARPS = (1, 2, 4, 8, 16)
 
@@ -107,7 +115,7 @@ def appended(buf: torch.Tensor, cnt: torch.Tensor, cap: int) -> torch.Tensor:
     return torch.sort(buf[:, :cap].masked_fill(unused, -1), dim=1).values
 
 
-def filters(shape: tuple[int, int, int, int], smoke: bool) -> dict:
+def filters(shape: tuple[int, int, int, int], smoke: bool, variants=tuple(FILTER_VARIANTS)) -> dict:
     T, S, H, k = shape
     q, kx, w, scale, vis = operands(T, S, H, smoke)
     pb = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
@@ -117,7 +125,8 @@ def filters(shape: tuple[int, int, int, int], smoke: bool) -> dict:
     row["default_append"] = hytopk.append_kind(pb, cap)[0]
     row["default_options"] = hytopk.filter_launch(pb, *hytopk.append_kind(pb, cap))
     first = None
-    for name, changes in FILTER_VARIANTS.items():
+    for name in variants:
+        changes = FILTER_VARIANTS[name]
         pv = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
         pv.tile = tile(**changes)
         mine = buf.clone()
@@ -157,7 +166,7 @@ def sort_once(comp: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, kp: int,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tune_descriptors.json"))
-    ap.add_argument("--parts", default="paths,filter,sort")
+    ap.add_argument("--parts", default="paths,filter,append,sort")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing, print only")
     args = ap.parse_args()
     if args.smoke:
@@ -165,7 +174,9 @@ def main() -> None:
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     parts = args.parts.split(",")
     rows = []
+    appends = SMOKE_SHAPES if args.smoke else APPEND_SHAPES
     for part, fn, items in [("paths", paths, shapes), ("filter", filters, shapes),
+                            ("append", lambda s, sm: filters(s, sm, APPEND_VARIANTS), appends),
                             ("sort", sorts, [(4, 64)] if args.smoke else SORT_SHAPES)]:
         if part not in parts:
             continue

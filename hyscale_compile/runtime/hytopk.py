@@ -345,20 +345,28 @@ def filter_launch(pb: _Problem, append: int, asm: bool) -> dict:
 
 
 def append_kind(pb: _Problem, cap: int) -> tuple[int, bool]:
-    """(APPEND, ASM): the tile's append, or by default the one that suits the share of entries that
-    pass the threshold (about cap / 1.5 of a row's S keys). The reserved append (3) costs every entry
-    the same few instructions; the per-entry one (2) is a compare and a skipped branch for an entry
-    that fails. H200, filter alone: 3 is faster by 0.3-0.6 ms where ~5% pass (S = 131072, k = 2048),
-    even at 1.4% (S = 524288), 2 faster by 0.4-1.3 ms at 1% (S = 262144, k = 512, H = 64).
+    """(APPEND, ASM): the tile's append, or by default the reserved one (3) unless the heads are many and
+    few entries pass (about cap / 1.5 of a row's S keys). The reserved append costs every entry the same
+    few instructions; the per-entry one (2) is a compare and a skipped branch for an entry that fails,
+    and a wait on its atomic for one that passes, which a short tile (few heads) cannot hide.
+    H200, filter alone at 168 registers (results/tune_append_rule.json, NOTES-selection.md v13), 3 -> 2:
+    at H <= 32 the reserved one won at every share measured, 1.1% to 9% of the keys (by 0.1-0.9 ms:
+    (2048, 524288, 16, k=2048) 7.02 -> 7.51, (1024, 1048576, 16) 8.08 -> 8.96); at H = 64 and few
+    passes the two are within 1% or the per-entry one wins ((1024, 1048576, 64) 31.0 -> 29.4; at
+    (4096, 262144, 64, k=512) runs have gone either way by up to 3%); with many passes (5.5%,
+    S = 131072, k = 2048) the reserved one is 0.4-0.8 ms faster at H = 16 and 64.
     The PTX steps only where there is PTX: 2 becomes the portable per-entry append under the
     interpreter, 3 its triton twin. The reserved append needs BS of 32 to 256 and, in PTX, a thread
     for each quarter of a row at most (BT * 4 >= threads): inline PTX runs once per copy of an element."""
     a, asm = pb.tile.append, not interpreting()
     if a is None:
-        a = 3 if cap * 16 >= pb.S else 2
+        a = 3 if cap * 16 >= pb.S or pb.H <= RESERVED_APPEND_MAX_HEADS else 2
     if a == 3 and (pb.tile.bs not in (32, 64, 128, 256) or (asm and pb.tile.bt * 4 < 32 * pb.tile.warps)):
         a = 2
     return (1 if a == 2 and not asm else a), asm
+
+
+RESERVED_APPEND_MAX_HEADS = 32  # up to this many heads the filter reserves slots at any share (see append_kind)
 
 
 def filter_split(pb: _Problem) -> int:

@@ -205,13 +205,15 @@ def test_filter_capacity_contract(append, bs, masked, windows):
 
 
 def test_append_rule():
-    """By default the filter reserves slots per thread where many entries pass (capacity >= S / 16) and
-    appends per entry where few do; an explicit tile append is kept. The interpreter has no PTX: the
-    per-entry PTX append runs as the portable one."""
-    q, kx, w = inputs(B=1, T=2, S=2000, seed=23)
-    pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF)
-    assert hytopk.append_kind(pb, 125) == (3, False)
-    assert hytopk.append_kind(pb, 124) == (1, False)
+    """By default the filter reserves slots per thread, except with many heads (past 32) where few
+    entries pass (capacity < S / 16): there it appends per entry. An explicit tile append is kept.
+    The interpreter has no PTX: the per-entry PTX append runs as the portable one."""
+    many = hytopk.RESERVED_APPEND_MAX_HEADS + 1
+    for H, want_few in ((2, 3), (hytopk.RESERVED_APPEND_MAX_HEADS, 3), (many, 1)):
+        q, kx, w = inputs(B=1, T=2, H=H, D=16, S=2000, seed=23)
+        pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF)
+        assert hytopk.append_kind(pb, 125) == (3, False), H
+        assert hytopk.append_kind(pb, 124) == (want_few, False), H
     pb.tile = dataclasses.replace(pb.tile, append=0)
     assert hytopk.append_kind(pb, 125) == (0, False)
 
@@ -226,7 +228,10 @@ def test_append_rule_on_gpu(monkeypatch):
         pb.tile = dataclasses.replace(pb.tile, bt=bt, warps=warps, append=None)
         assert hytopk.append_kind(pb, 125) == (want, True), (bt, warps)
     pb.tile = dataclasses.replace(pb.tile, bt=64, warps=4)
-    assert hytopk.append_kind(pb, 124) == (2, True)
+    assert hytopk.append_kind(pb, 124) == (3, True)  # few pass, few heads
+    q, kx, w = inputs(B=1, T=2, H=hytopk.RESERVED_APPEND_MAX_HEADS + 1, D=16, S=2000, seed=23)
+    pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF)
+    assert hytopk.append_kind(pb, 124) == (2, True)  # few pass, many heads
 
 
 def test_descriptor_rule():
