@@ -1,8 +1,9 @@
 """Indexer top-k selection on one GPU: scoring floor, table + torch.topk, eager, torch.compile, HyTopK.
 
 k=2048 (and one k=512 shape), D=128, bf16, causal with the queries at the end of the context.
-Every time is a median of CUDA-event timings. Writes results/selection.json and results/selection.md
-(or the paths given). A baseline that runs out of memory is recorded as null with a note.
+Every time is a median of CUDA-event timings; the floor and HyTopK are timed in turn over three rounds,
+so that clock drift moves both alike. Writes results/selection.json and results/selection.md (or the
+paths given). A baseline that runs out of memory is recorded as null with a note.
 
     python benchmarks/selection.py [--out DIR] [--shapes quick]
 """
@@ -65,6 +66,17 @@ def median_ms(fn, reps: int = 5) -> float:
 
 def bench(fn) -> float:
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def interleaved(fns: dict, rounds: int = 3) -> dict:
+    """Each fn's median time over ``rounds`` rounds that take the fns in turn (A B A B ...). The GPU's
+    clock drifts over a run (the same code has timed 2-3% apart minutes later): measured in turn,
+    the drift moves every fn alike, so their ratios move less than the times."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def matmul_tflops() -> float:
@@ -148,7 +160,6 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
     pb = hytopk._Problem(q, kx, w, scale, True, vis, fill)
     split = hytopk.filter_split(pb)
     sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device="cuda", dtype=torch.float32)
-    floor_ms = bench(lambda: block_launch(pb, MODE_FLOOR, sink, split))
 
     def table_topk():
         table = torch.empty(T, S, device="cuda", dtype=torch.float32)
@@ -163,9 +174,11 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
 
     hy()
     torch.cuda.synchronize()
-    hy_ms = bench(hy)
-    # what an order-free site (the indices only mark a mask, as in HF DeepSeek-V3.2) runs: no final sort
-    unsorted_ms = bench(lambda: hytopk.select(q, kx, w, k, scale, True, vis, fill, sorted=False))
+    # the floor and HyTopK (the ratio the issue bars) in turn; unsorted is what an order-free site (the
+    # indices only mark a mask, as in HF DeepSeek-V3.2) runs: no final sort
+    t = interleaved({"floor": lambda: block_launch(pb, MODE_FLOOR, sink, split), "hytopk": hy,
+                     "unsorted": lambda: hytopk.select(q, kx, w, k, scale, True, vis, fill, sorted=False)})
+    floor_ms, hy_ms, unsorted_ms = t["floor"], t["hytopk"], t["unsorted"]
     cand_ms = bench(lambda: hytopk.candidates(hytopk._Problem(q, kx, w, scale, True, vis, fill), k))
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
