@@ -69,14 +69,18 @@ def bench(fn) -> float:
 
 
 def interleaved(fns: dict, rounds: int = 3) -> dict:
-    """Each fn's median time over ``rounds`` rounds that take the fns in turn (A B A B ...). The GPU's
+    """Each fn's times (ms) over ``rounds`` rounds that take the fns in turn (A B A B ...). The GPU's
     clock drifts over a run (the same code has timed 2-3% apart minutes later): measured in turn,
     the drift moves every fn alike, so their ratios move less than the times."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(bench(fn))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+            times[name].append(round(bench(fn), 3))
+    return times
+
+
+def median(xs: list) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def matmul_tflops() -> float:
@@ -160,6 +164,7 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
     pb = hytopk._Problem(q, kx, w, scale, True, vis, fill)
     split = hytopk.filter_split(pb)
     sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device="cuda", dtype=torch.float32)
+    floor_first_ms = bench(lambda: block_launch(pb, MODE_FLOOR, sink, split))  # as the table measured it to 6885655
 
     def table_topk():
         table = torch.empty(T, S, device="cuda", dtype=torch.float32)
@@ -178,7 +183,7 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
     # indices only mark a mask, as in HF DeepSeek-V3.2) runs: no final sort
     t = interleaved({"floor": lambda: block_launch(pb, MODE_FLOOR, sink, split), "hytopk": hy,
                      "unsorted": lambda: hytopk.select(q, kx, w, k, scale, True, vis, fill, sorted=False)})
-    floor_ms, hy_ms, unsorted_ms = t["floor"], t["hytopk"], t["unsorted"]
+    floor_ms, hy_ms, unsorted_ms = median(t["floor"]), median(t["hytopk"]), median(t["unsorted"])
     cand_ms = bench(lambda: hytopk.candidates(hytopk._Problem(q, kx, w, scale, True, vis, fill), k))
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -215,7 +220,8 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
                hytopk_candidates_ms=round(cand_ms, 3), hytopk_over_floor=round(hy_ms / floor_ms, 3),
                hytopk_unsorted_ms=round(unsorted_ms, 3),
                mean_candidates=round(st.mean_candidates, 1), candidate_buffer_bytes=buffer_bytes,
-               output_bytes=output_bytes, stages=stage, notes=notes)
+               output_bytes=output_bytes, stages=stage, rounds_ms=t, floor_first_ms=round(floor_first_ms, 3),
+               notes=notes)
     print(json.dumps(row), flush=True)
     return row
 
