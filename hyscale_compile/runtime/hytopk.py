@@ -349,12 +349,11 @@ def append_kind(pb: _Problem, cap: int) -> tuple[int, bool]:
     few entries pass (about cap / 1.5 of a row's S keys). The reserved append costs every entry the same
     few instructions; the per-entry one (2) is a compare and a skipped branch for an entry that fails,
     and a wait on its atomic for one that passes, which a short tile (few heads) cannot hide.
-    H200, filter alone at 168 registers (results/tune_append_rule.json, NOTES-selection.md v13), 3 -> 2:
-    at H <= 32 the reserved one won at every share measured, 1.1% to 9% of the keys (by 0.1-0.9 ms:
-    (2048, 524288, 16, k=2048) 7.02 -> 7.51, (1024, 1048576, 16) 8.08 -> 8.96); at H = 64 and few
-    passes the two are within 1% or the per-entry one wins ((1024, 1048576, 64) 31.0 -> 29.4; at
-    (4096, 262144, 64, k=512) runs have gone either way by up to 3%); with many passes (5.5%,
-    S = 131072, k = 2048) the reserved one is 0.4-0.8 ms faster at H = 16 and 64.
+    H200, filter alone at 168 registers, two runs (results/tune_append_rule.json, NOTES-selection.md v13):
+    at H <= 32 the reserved one won 11 of 12 pairs at capacities of 1.1% to 9% of S, by 0.35 ms on
+    average ((1024, 1048576, 16, k=2048) 8.08 against 8.96 per entry, both runs); at H = 64 with
+    capacity < S / 16 each won 4 of 8, by up to 1.6 ms either way, so the per-entry one stays there;
+    with many passes (S = 131072, k = 2048) the reserved one is 0.4-0.8 ms faster at H = 16 and 64.
     The PTX steps only where there is PTX: 2 becomes the portable per-entry append under the
     interpreter, 3 its triton twin. The reserved append needs BS of 32 to 256 and, in PTX, a thread
     for each quarter of a row at most (BT * 4 >= threads): inline PTX runs once per copy of an element."""
