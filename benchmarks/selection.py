@@ -50,6 +50,11 @@ D = 128
 EAGER_BUDGET = 24 << 30  # bytes of fp32 intermediates per query chunk in the eager indexer
 
 
+def median(xs: list) -> float:
+    """The middle value (the upper one of an even count)."""
+    return sorted(xs)[len(xs) // 2]
+
+
 def median_ms(fn, reps: int = 5) -> float:
     fn()
     torch.cuda.synchronize()
@@ -61,7 +66,7 @@ def median_ms(fn, reps: int = 5) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def bench(fn) -> float:
@@ -77,10 +82,6 @@ def interleaved(fns: dict, rounds: int = 3) -> dict:
         for name, fn in fns.items():
             times[name].append(round(bench(fn), 3))
     return times
-
-
-def median(xs: list) -> float:
-    return sorted(xs)[len(xs) // 2]
 
 
 def matmul_tflops() -> float:
