@@ -7,7 +7,12 @@ to the runtime (Triton on CUDA, the plain-PyTorch reference elsewhere); semantic
 
 Visibility arguments, shared by all three ops and in this order:
     causal, offset, offsets, starts, ends, mask, bias
-(see ``runtime.reference.Visibility``).
+and, last, ``causal_additive`` for select and rescore (see ``runtime.reference.Visibility``).
+
+Gradients follow the expression the ops stand for: q, kx and weights through the k selected scores, the
+additive mask ``bias`` at the selected positions; a pick hidden by a replacing mask (causal, windows, bool
+mask: its value is the fill) passes no gradient, one behind the additive causal mask (its value is
+score + -inf) passes it like any other, as ``+`` does in eager.
 """
 
 from __future__ import annotations
@@ -25,10 +30,23 @@ def _check(cond, msg: str) -> None:
     torch._check(cond, lambda: msg)
 
 
+def _broadcasts_to(t: Tensor, sizes: tuple) -> bool:
+    """``t`` broadcasts to ``sizes`` (right-aligned; each dim equal or 1)."""
+    if t.dim() > len(sizes):
+        return False
+    return all(d == 1 or d == n for d, n in zip(t.shape, sizes[len(sizes) - t.dim():]))
+
+
 def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
                  offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
-                 mask: Tensor | None, bias: Tensor | None) -> None:
-    """Shape and dtype checks with messages naming the offending argument (symbolic-size safe)."""
+                 mask: Tensor | None, bias: Tensor | None, indices: Tensor | None = None) -> None:
+    """Shape, dtype and device checks with messages naming the offending argument (symbolic-size safe)."""
+    named = (("kx", kx), ("weights", weights), ("query_offset", offsets), ("starts", starts), ("ends", ends),
+             ("mask", mask), ("bias", bias), ("indices", indices))
+    for name, t in named:
+        if t is not None:
+            _check(t.device == q.device, f"hyscale: {name} is on {t.device} but q is on {q.device}; every tensor "
+                                         "argument must be on q's device")
     _check(q.dim() == 4, f"hyscale: q must be [B, T, H, D], got {q.dim()} dims {tuple(q.shape)}")
     _check(kx.dim() == 3, f"hyscale: kx must be [B, S, D], got {kx.dim()} dims {tuple(kx.shape)}")
     _check(q.dtype in _QK_DTYPES, f"hyscale: q dtype {q.dtype} unsupported; use bfloat16, float16 or float32")
@@ -47,6 +65,8 @@ def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
     if offsets is not None:
         _check(offsets.dim() == 1 and offsets.shape[0] == B,
                f"hyscale: query_offset tensor must be [B] = [{B}], got {tuple(offsets.shape)}")
+        _check(not offsets.is_floating_point() and offsets.dtype != torch.bool,
+               f"hyscale: query_offset tensor must be an integer tensor, got {offsets.dtype}")
     for name, win in (("starts", starts), ("ends", ends)):
         if win is not None:
             _check(win.dim() == 2 and all(w == n or w == 1 for w, n in zip(win.shape, (B, T))),
@@ -54,10 +74,18 @@ def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
             _check(not win.is_floating_point(), f"hyscale: {name} must be an integer tensor, got {win.dtype}")
     if mask is not None:
         _check(mask.dtype == torch.bool, f"hyscale: mask must be bool here, got {mask.dtype}")
-        _check(mask.dim() <= 3, f"hyscale: mask must broadcast to [B, T, S], got {tuple(mask.shape)}")
+        _check(_broadcasts_to(mask, (B, T, S)),
+               f"hyscale: mask must broadcast to [B, T, S] = [{B}, {T}, {S}], got {tuple(mask.shape)}")
     if bias is not None:
-        _check(bias.is_floating_point(), f"hyscale: additive mask must be floating point, got {bias.dtype}")
-        _check(bias.dim() <= 3, f"hyscale: additive mask must broadcast to [B, T, S], got {tuple(bias.shape)}")
+        _check(bias.is_floating_point(), f"hyscale: bias (additive mask) must be floating point, got {bias.dtype}")
+        _check(_broadcasts_to(bias, (B, T, S)),
+               f"hyscale: bias (additive mask) must broadcast to [B, T, S] = [{B}, {T}, {S}], got "
+               f"{tuple(bias.shape)}")
+    if indices is not None:
+        _check(indices.dim() == 3 and indices.shape[0] == B and indices.shape[1] == T,
+               f"hyscale: indices must be [B, T, k] = [{B}, {T}, k], got {tuple(indices.shape)}")
+        _check(indices.dtype in (torch.int32, torch.int64), f"hyscale: indices must be int32 or int64, got "
+                                                            f"{indices.dtype}")
 
 
 def _prepare(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -70,11 +98,12 @@ def _prepare(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Ten
     return kx, weights
 
 
-def _vis(causal, offset, offsets, starts, ends, mask, bias, rows=None) -> Visibility:
+def _vis(causal, offset, offsets, starts, ends, mask, bias, rows=None, causal_additive=False) -> Visibility:
     if rows is not None:  # windows may broadcast over batch or query rows: give kernels full [B, T] views
         starts = starts.expand(*rows) if starts is not None else None
         ends = ends.expand(*rows) if ends is not None else None
-    return Visibility(causal=causal, offset=offset, offsets=offsets, starts=starts, ends=ends, mask=mask, bias=bias)
+    return Visibility(causal=causal, offset=offset, offsets=offsets, starts=starts, ends=ends, mask=mask, bias=bias,
+                      causal_additive=causal and causal_additive)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,16 +113,18 @@ def _vis(causal, offset, offsets, starts, ends, mask, bias, rows=None) -> Visibi
 @torch.library.custom_op("hyscale::select", mutates_args=())
 def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
            causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
-           mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool) -> tuple[Tensor, Tensor]:
+           mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool, causal_additive: bool = False
+           ) -> tuple[Tensor, Tensor]:
     check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
-    vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2])
+    vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2], causal_additive=causal_additive)
     kx, weights = _prepare(q, kx, weights)
     impl = dispatch.kernels_for(q)
     return impl.select(q, kx, weights, k, scale, relu, vis, fill, sorted=sorted)
 
 
 @select.register_fake
-def _(q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill, sorted):
+def _(q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill, sorted,
+      causal_additive=False):
     check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
     B, T = q.shape[0], q.shape[1]
     return (q.new_empty((B, T, k), dtype=torch.float32), q.new_empty((B, T, k), dtype=torch.int64))
@@ -106,18 +137,17 @@ def _(q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mas
 @torch.library.custom_op("hyscale::rescore", mutates_args=())
 def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scale: float, relu: bool,
             causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
-            mask: Tensor | None, bias: Tensor | None, fill: float) -> Tensor:
-    check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias)
-    vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2])
+            mask: Tensor | None, bias: Tensor | None, fill: float, causal_additive: bool = False) -> Tensor:
+    check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias, indices)
+    vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2], causal_additive=causal_additive)
     kx, weights = _prepare(q, kx, weights)
     return dispatch.kernels_for(q).rescore(q, kx, weights, indices, scale, relu, vis, fill)
 
 
 @rescore.register_fake
-def _(q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill):
-    check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias)
-    _check(indices.dim() == 3 and indices.shape[0] == q.shape[0] and indices.shape[1] == q.shape[1],
-           f"hyscale: indices must be [B, T, k], got {tuple(indices.shape)}")
+def _(q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill,
+      causal_additive=False):
+    check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias, indices)
     return indices.new_empty(indices.shape, dtype=torch.float32)
 
 
@@ -151,47 +181,77 @@ def _(grad_values, q, kx, weights, indices, scale, relu, causal, offset, offsets
 
 
 
-def _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask) -> None:
+def _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias,
+           causal_additive) -> None:
     ctx.save_for_backward(q, kx, weights, indices, offsets, starts, ends, mask)
-    ctx.scale, ctx.relu, ctx.causal, ctx.offset = scale, relu, causal, offset
+    ctx.scale, ctx.relu, ctx.offset = scale, relu, offset
+    # behind an additive causal mask a pick's value is score + -inf: its gradient flows as through any add
+    ctx.causal, ctx.causal_additive = causal, causal and causal_additive
+    ctx.bias_shape = None if bias is None else (bias.shape, bias.dtype)
 
 
-def _grads(ctx, grad_values: Tensor):
+def _grads(ctx, grad_values: Tensor, bias_grad: bool):
     q, kx, weights, indices, offsets, starts, ends, mask = ctx.saved_tensors
     kx_full, w_full = _prepare(q, kx, weights)
+    causal = ctx.causal and not ctx.causal_additive  # the mask that replaces values (and stops gradients)
     dq, dkx, dw = torch.ops.hyscale.sparse_backward(
-        grad_values, q, kx_full, w_full, indices, ctx.scale, ctx.relu, ctx.causal, ctx.offset,
+        grad_values, q, kx_full, w_full, indices, ctx.scale, ctx.relu, causal, ctx.offset,
         offsets, starts, ends, mask)
     dkx = _sum_to(dkx, kx)
     dw = _sum_to(dw, weights).to(weights.dtype) if weights is not None else None
-    return dq, dkx, dw
+    dbias = None
+    if bias_grad and ctx.bias_shape is not None:
+        vis = _vis(causal, ctx.offset, offsets, starts, ends, mask, None, rows=q.shape[:2])
+        dbias = _bias_grad(grad_values, indices, vis, kx.shape[1], *ctx.bias_shape)
+    return dq, dkx, dw, dbias
 
 
-def _sum_to(grad: Tensor, like: Tensor) -> Tensor:
+def _bias_grad(grad_values: Tensor, indices: Tensor, vis: Visibility, S: int, shape: torch.Size,
+               dtype: torch.dtype) -> Tensor:
+    """d values / d bias: each selected, unreplaced value is score + bias there, so the upstream gradient
+    lands at its position (a row's indices are distinct: the scatter is exact), summed over broadcast dims.
+    Dense like the bias itself; only built when the bias requires grad."""
+    B, T, _ = indices.shape
+    g = grad_values.float()
+    visible = vis.at(0, T, indices.long(), (B, T, S))
+    if visible is not None:
+        g = torch.where(visible, g, torch.zeros_like(g))
+    dense = g.new_zeros(B, T, S).scatter_(-1, indices.long(), g)
+    lead = dense.dim() - len(shape)
+    dense = dense.sum(tuple(range(lead))) if lead else dense
+    return _sum_to(dense, shape).to(dtype)
+
+
+def _sum_to(grad: Tensor, like: Tensor | torch.Size) -> Tensor:
     """Reduce a gradient over the dims ``like`` broadcast (size 1 there, larger in the gradient)."""
-    dims = [i for i, (g, n) in enumerate(zip(grad.shape, like.shape)) if n == 1 and g != 1]
+    sizes = like.shape if isinstance(like, Tensor) else like
+    dims = [i for i, (g, n) in enumerate(zip(grad.shape, sizes)) if n == 1 and g != 1]
     return grad.sum(dims, keepdim=True) if dims else grad
 
 
 def _select_setup(ctx, inputs, output) -> None:
-    q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill, sorted = inputs
-    _setup(ctx, q, kx, weights, output[1], scale, relu, causal, offset, offsets, starts, ends, mask)
+    (q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill, sorted,
+     causal_additive) = inputs
+    _setup(ctx, q, kx, weights, output[1], scale, relu, causal, offset, offsets, starts, ends, mask, bias,
+           causal_additive)
     ctx.mark_non_differentiable(output[1])
 
 
 def _select_backward(ctx, grad_values, grad_indices):
-    dq, dkx, dw = _grads(ctx, grad_values)
-    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, None, None, None
+    dq, dkx, dw, dbias = _grads(ctx, grad_values, ctx.needs_input_grad[12])
+    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, dbias, None, None, None
 
 
 def _rescore_setup(ctx, inputs, output) -> None:
-    q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill = inputs
-    _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask)
+    (q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill,
+     causal_additive) = inputs
+    _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias,
+           causal_additive)
 
 
 def _rescore_backward(ctx, grad_values):
-    dq, dkx, dw = _grads(ctx, grad_values)
-    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, None, None
+    dq, dkx, dw, dbias = _grads(ctx, grad_values, ctx.needs_input_grad[12])
+    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, dbias, None, None
 
 
 select.register_autograd(_select_backward, setup_context=_select_setup)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import score_tile, stats
+from . import additive_causal, score_tile, stats
 from .check_kernels import check_block, check_kernel, check_warps
 from .dispatch import interpreting
 from .filter_kernels import (
@@ -139,7 +139,9 @@ def _aux(vis: Visibility, B: int, T: int, S: int, dummy: Tensor) -> tuple[Tensor
         mstr = m.stride()
     else:
         m, mstr = dummy, (0, 0, 0)
-    if vis.bias is not None:
+    if isinstance(vis.bias, additive_causal.StridedBias):
+        bias, bstr = vis.bias.base, vis.bias.strides
+    elif vis.bias is not None:
         bias = vis.bias.expand(B, T, S)
         bstr = bias.stride()
     else:
@@ -213,6 +215,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
     if k == 0 or B * T == 0:
         return (torch.empty(B, T, k, dtype=torch.float32, device=q.device),
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
+    vis = additive_causal.as_bias(vis, B, T, kx.shape[1], q.device)
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
     buf, used = candidates(pb, k)
     lists = row_lists(k, pb.S, buf.shape[1], vis)
@@ -454,6 +457,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
     out = torch.empty(B, T, K, dtype=torch.float32, device=q.device)
     if K == 0 or B * T == 0:
         return out
+    vis = additive_causal.as_bias(vis, B, T, kx.shape[1], q.device)
     pb = _Problem(q, kx, weights, scale, relu, vis, fill)
     idx = indices.to(torch.int64).contiguous()
     if knobs.rescore_tile:

@@ -5,7 +5,9 @@ This file *is* the operator contract (shared design notes, section 3) written as
     score[b, t, s] = sum_h w[b, t, h] * act(scale * dot(q[b, t, h, :], kx[b, s, :]))   (fp32)
                    = sum_h (scale * w[b, t, h]) * act'(dot(...))   as it is evaluated: one rounding
                      per head, act' = max(., 0) for a ReLU with scale >= 0, min(., 0) below 0
-    value[b, t, s] = score[b, t, s] + bias[b, t, s]   if visible(b, t, s) else fill
+    value[b, t, s] = score[b, t, s] + bias[b, t, s] (+ causal[t, s])   if visible(b, t, s) else fill
+                     causal[t, s] = -inf where s > t + offset, else 0: the additive causal mask (the
+                     model's ``score + full(-inf).triu(1)``), where NaN and +inf scores become NaN
     select -> the k largest values of each row, ordered by (value desc, position asc),
               NaN ranking above +inf as torch.topk ranks it, -0.0 equal to +0.0.
 
@@ -33,6 +35,8 @@ class Visibility:
     starts/ends: [B, T] integer windows [start, end)
     mask:    bool tensor broadcastable to [B, T, S], True = visible
     bias:    float tensor broadcastable to [B, T, S], added to the score (additive mask)
+    causal_additive: the causal part is added as -inf instead of replacing values with the fill (IEEE:
+             a NaN or +inf score behind it is NaN, as ``score + full(-inf).triu(1)`` gives in eager)
     """
 
     causal: bool = False
@@ -42,12 +46,14 @@ class Visibility:
     ends: Tensor | None = None
     mask: Tensor | None = None
     bias: Tensor | None = None
+    causal_additive: bool = False
 
     def at(self, t0: int, t1: int, pos: Tensor, shape: tuple[int, int, int]) -> Tensor | None:
         """Bool visibility of key positions ``pos`` (broadcastable to [B, t1-t0, n]) for rows t0:t1.
 
         ``shape`` is the full (B, T, S) of the problem, used to broadcast the mask tensor.
-        Returns None when everything is visible.
+        Returns None when everything is visible. The additive causal mask hides nothing here (its -inf is
+        part of the value, see ``additive_at``).
         """
         B, T, S = shape
         vis = None
@@ -55,11 +61,8 @@ class Visibility:
         def _and(a: Tensor | None, b: Tensor) -> Tensor:
             return b if a is None else a & b
 
-        if self.causal:
-            t = torch.arange(t0, t1, device=pos.device, dtype=torch.int64).view(1, -1, 1) + self.offset
-            if self.offsets is not None:
-                t = t + self.offsets.to(device=pos.device, dtype=torch.int64).view(-1, 1, 1)
-            vis = _and(vis, pos <= t)
+        if self.causal and not self.causal_additive:
+            vis = _and(vis, self._causal_at(t0, t1, pos))
         if self.starts is not None:
             vis = _and(vis, pos >= self.starts[:, t0:t1, None].to(torch.int64))
         if self.ends is not None:
@@ -68,6 +71,19 @@ class Visibility:
             m = self.mask.expand(B, T, S)[:, t0:t1]
             vis = _and(vis, _take(m, pos))
         return vis
+
+    def _causal_at(self, t0: int, t1: int, pos: Tensor) -> Tensor:
+        t = torch.arange(t0, t1, device=pos.device, dtype=torch.int64).view(1, -1, 1) + self.offset
+        if self.offsets is not None:
+            t = t + self.offsets.to(device=pos.device, dtype=torch.int64).view(-1, 1, 1)
+        return pos <= t
+
+    def additive_at(self, t0: int, t1: int, pos: Tensor) -> Tensor | None:
+        """The additive causal mask at ``pos`` for rows t0:t1: 0 where visible, -inf behind, or None."""
+        if not (self.causal and self.causal_additive):
+            return None
+        visible = self._causal_at(t0, t1, pos)
+        return torch.where(visible, 0.0, float("-inf")).to(torch.float32)
 
     def bias_at(self, t0: int, t1: int, pos: Tensor, shape: tuple[int, int, int]) -> Tensor | None:
         if self.bias is None:
@@ -114,6 +130,9 @@ def value_rows(q, kx, weights, scale, relu, vis: Visibility, fill: float, t0: in
     bias = vis.bias_at(t0, t1, pos, (B, T, S))
     if bias is not None:
         val = val + bias
+    additive = vis.additive_at(t0, t1, pos)
+    if additive is not None:
+        val = val + additive
     visible = vis.at(t0, t1, pos, (B, T, S))
     if visible is not None:
         val = torch.where(visible, val, torch.full_like(val, fill))
