@@ -20,7 +20,7 @@ def test_counters_and_explain_fields():
     report = hyscale_compile.explain(model, *args)
     (site,) = report.sites
     assert site.decision == "rewritten" and site.k == "4"
-    assert site.mask_kind == "causal"
+    assert site.mask_kind == "causal (additive)"
     assert site.source.endswith("(forward)") and "indexers.py" in site.source
     assert site.shapes["q"] == f"[{indexers.B}, {indexers.T}, {indexers.H}, {indexers.D}]"
     # the [B, T, S] fp32 table plus the [B, T, H, S] per-head table
@@ -89,6 +89,6 @@ def test_report_counts_the_dense_mask_the_model_scatters_indices_into():
         report = hyscale_compile.explain(model, **inputs)
     site = report.rewritten[0]
     assert site.dense_scatter_bytes == 2 * 16 * 16  # HF's bool [B, T, S] index mask
-    assert "scatters the indices into dense tensors of 512 B" in site.reason
+    assert "scattered into a dense 512 B mask" in site.reason
     # new_ones(...).scatter(-1, idx.long(), False): only the set of indices matters, so no final sort
     assert "selected without the final sort" in site.reason

@@ -96,7 +96,7 @@ def _inputs():
 def _select_sorted_flags(model) -> list[bool]:
     _, after, reports = captured(model, *_inputs())
     assert [r.decision for r in reports] == ["rewritten"], [r.reason for r in reports]
-    return [n.args[-1] for gm in after for n in gm.graph.nodes if n.target is torch.ops.hyscale.select.default]
+    return [n.kwargs["sorted"] for gm in after for n in gm.graph.nodes if n.target is torch.ops.hyscale.select.default]
 
 
 @pytest.mark.parametrize("model", [IndexMask(), BoolMaskThroughCasts(), ModelUnsortedIndexMask()],

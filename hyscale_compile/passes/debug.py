@@ -38,8 +38,8 @@ def compact(gm: fx.GraphModule) -> str:
     lines = []
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method"):
-            args = ", ".join(_short(a) for a in n.args)
-            lines.append(f"{_target(n)}({args})")
+            args = [_short(a) for a in n.args] + [f"{k}={_short(v)}" for k, v in n.kwargs.items()]
+            lines.append(f"{_target(n)}({', '.join(args)})")
     return "\n".join(lines)
 
 

@@ -21,6 +21,8 @@ _FUNCTIONS: dict[Any, str] = {
     torch.bmm: "matmul",
     torch.relu: "relu",
     torch.clamp: "clamp",
+    torch.clamp_min: "clamp",
+    torch.clip: "clamp",
     F.relu: "relu",
     operator.mul: "mul",
     torch.mul: "mul",
@@ -34,16 +36,22 @@ _FUNCTIONS: dict[Any, str] = {
     operator.neg: "neg",
     torch.neg: "neg",
     torch.sum: "sum",
+    torch.mean: "mean",
     torch.masked_fill: "masked_fill",
     torch.where: "where",
     torch.topk: "topk",
     torch.sort: "sort",
+    torch.argsort: "argsort",
     torch.gather: "gather",
+    torch.take_along_dim: "take_along_dim",
+    torch.detach: "detach",
     torch.transpose: "transpose",
     torch.permute: "permute",
     torch.unsqueeze: "unsqueeze",
     torch.squeeze: "squeeze",
     torch.reshape: "reshape",
+    torch.flatten: "reshape",
+    torch.unflatten: "reshape",
     operator.getitem: "getitem",
     operator.invert: "invert",
     torch.logical_not: "invert",
@@ -65,6 +73,10 @@ _FUNCTIONS: dict[Any, str] = {
     torch.full: "full",
     torch.ones: "ones",
     torch.zeros: "zeros",
+    torch.full_like: "full_like",
+    torch.ones_like: "ones_like",
+    torch.zeros_like: "zeros_like",
+    torch.empty_like: "empty_like",
     torch.scatter: "scatter",
     torch.tensor: "tensor",
     torch.triu: "triu",
@@ -72,26 +84,31 @@ _FUNCTIONS: dict[Any, str] = {
 }
 
 _METHODS: dict[str, str] = {
-    "matmul": "matmul", "bmm": "matmul", "relu": "relu", "clamp": "clamp", "clamp_min": "clamp",
-    "mul": "mul", "div": "div", "add": "add",
-    "sub": "sub", "neg": "neg", "sum": "sum", "masked_fill": "masked_fill", "topk": "topk", "sort": "sort",
-    "gather": "gather", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
-    "squeeze": "squeeze", "expand": "expand", "view": "reshape", "reshape": "reshape", "float": "float", "to": "to",
-    "type": "to", "contiguous": "identity", "clone": "identity", "detach": "identity", "logical_not": "invert",
-    "bitwise_not": "invert", "scatter": "scatter", "scatter_": "scatter", "scatter_add": "scatter",
-    "scatter_add_": "scatter", "long": "to", "int": "to", "logical_and": "and", "bitwise_and": "and",
-    "logical_or": "or", "le": "le",
-    "lt": "lt", "ge": "ge", "gt": "gt", "triu": "triu", "tril": "tril", "__and__": "and", "__invert__": "invert",
+    "matmul": "matmul", "bmm": "matmul", "relu": "relu", "clamp": "clamp", "clamp_min": "clamp", "clip": "clamp",
+    "mul": "mul", "div": "div", "add": "add", "sub": "sub", "neg": "neg", "sum": "sum", "mean": "mean",
+    "masked_fill": "masked_fill", "topk": "topk", "sort": "sort", "argsort": "argsort", "gather": "gather",
+    "take_along_dim": "take_along_dim", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
+    "squeeze": "squeeze", "expand": "expand", "view": "reshape", "reshape": "reshape",
+    "flatten": "reshape", "unflatten": "reshape", "float": "float", "to": "to",
+    "type": "to", "long": "to", "int": "to", "contiguous": "identity", "clone": "identity", "detach": "detach",
+    "logical_not": "invert", "bitwise_not": "invert", "__invert__": "invert", "scatter": "scatter",
+    "scatter_": "scatter", "scatter_add": "scatter", "scatter_add_": "scatter", "logical_and": "and",
+    "bitwise_and": "and", "__and__": "and", "logical_or": "or", "le": "le", "lt": "lt", "ge": "ge", "gt": "gt",
+    "triu": "triu", "tril": "tril", "new_full": "new_full", "new_ones": "new_ones", "new_zeros": "new_zeros",
+    "new_empty": "new_empty",
 }
 
 # Arguments by position and name, per canonical op (enough for the forms the passes accept).
 _SIGNATURES: dict[str, tuple[str, ...]] = {
     "sum": ("input", "dim", "keepdim"),
+    "mean": ("input", "dim", "keepdim"),
+    "argsort": ("input", "dim", "descending"),
     "topk": ("input", "k", "dim", "largest", "sorted"),
     "sort": ("input", "dim", "descending"),
     "masked_fill": ("input", "mask", "value"),
     "where": ("condition", "input", "other"),
     "gather": ("input", "dim", "index"),
+    "take_along_dim": ("input", "indices", "dim"),
     "transpose": ("input", "dim0", "dim1"),
     "unsqueeze": ("input", "dim"),
     "squeeze": ("input", "dim"),
@@ -102,6 +119,8 @@ _SIGNATURES: dict[str, tuple[str, ...]] = {
     "triu": ("input", "diagonal"),
     "tril": ("input", "diagonal"),
     "full": ("size", "fill_value"),
+    "full_like": ("input", "fill_value"),
+    "new_full": ("input", "size", "fill_value"),
 }
 
 
@@ -171,6 +190,15 @@ def is_one(size: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(size == 1))
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Two dimension sizes known to be equal (symbolic sizes: only when provably so)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return a is b or bool(statically_known_true(a == b))
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

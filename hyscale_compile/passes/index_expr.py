@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from .graph_ops import dtype, is_one, is_tensor, named_arg, normalize_dim, op_name, shape, source_line, value
+from .graph_ops import dtype, is_one, is_tensor, named_arg, normalize_dim, op_name, same_size, shape, source_line, value
 
 _labels = itertools.count()
 
@@ -45,7 +45,9 @@ class Leaf:
 
     node: fx.Node
     labels: tuple[Label, ...]
-    negate: bool = False  # for bool masks: True means the tensor marks *hidden* positions
+    negate: bool = False  # bool masks: the tensor marks *hidden* positions; additive terms: it is subtracted
+    at: fx.Node | None = field(default=None, compare=False)  # the node of the score's chain that reads it
+    cast: torch.dtype | None = None  # an additive term the model's add converts first (int or bool to float)
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,13 @@ class Score:
     keep: tuple[Leaf, ...] = ()  # bool masks
     fill: float | None = None
     filled_before_bias: bool = False
+    virtual_query: Label = None  # decode with the query dim squeezed away: a size-1 query dim of our own
     nodes: tuple[fx.Node, ...] = field(default=())  # the chain, bottom-up; all must die with the rewrite
+    node_dims: tuple[tuple[fx.Node, tuple], ...] = field(default=())  # each chain node's dim labels
 
     def with_node(self, node: fx.Node, **changes) -> Score:
-        return replace(self, nodes=self.nodes + (node,), **changes)
+        new = replace(self, nodes=self.nodes + (node,), **changes)
+        return replace(new, node_dims=new.node_dims + ((node, new.dims),))
 
     @property
     def masked(self) -> bool:
@@ -81,7 +86,7 @@ class Score:
     def query(self) -> int:
         """T: of the query-only dims that survive the head sum, the innermost (the others are batch dims)."""
         rest = [lab for lab in self.dims if lab in self.query_free and lab != self.head]
-        return rest[-1]
+        return rest[-1] if rest else self.virtual_query
 
     @property
     def batch_all(self) -> tuple[int, ...]:
@@ -174,15 +179,16 @@ def _dot(node: fx.Node, query, key, out: str, d: str) -> Score:
         raise Reject("the dot product's operands must be tensors", node)
     names = {c: next(_labels) for c in set(ql) | set(kl) | set(out) if c != "1"}
     lab = lambda s: tuple(names.get(c) for c in s)  # noqa: E731  ('1' -> None)
-    batch = tuple(names[c] for c in out if c in ql and c in kl)
+    batch = tuple(names[c] for c in out if c in ql and c in kl and c != "1")
     key_free = [c for c in kl if c not in ql and c != d and c != "1"]
     query_free = tuple(names[c] for c in ql if c not in kl and c != d and c != "1")
     if len(key_free) != 1:
         raise Reject("the key operand must have exactly one dimension besides batch and head_dim", node)
     if not query_free:
         raise Reject("the query operand has no dimension of its own", node)
-    return Score(dims=lab(out), q=Leaf(qn, lab(ql)), k=Leaf(kn, lab(kl)), key=names[key_free[0]],
-                 contracted=names[d], batch=batch, query_free=query_free, nodes=(node,))
+    return Score(dims=lab(out), q=Leaf(qn, lab(ql), at=node), k=Leaf(kn, lab(kl), at=node), key=names[key_free[0]],
+                 contracted=names[d], batch=batch, query_free=query_free, nodes=(node,),
+                 node_dims=((node, lab(out)),))
 
 
 def _head_sum(node: fx.Node, score, weight, out: str, h: str, s_letter: str) -> Score:
@@ -192,11 +198,22 @@ def _head_sum(node: fx.Node, score, weight, out: str, h: str, s_letter: str) -> 
     if any(c not in names for c in wl if c != "1"):
         raise Reject("the head weights have a dimension the score does not have", node)
     head = names[h]
+    if head is None:  # one indexer head (q [B, T, 1, D] through matmul): the sum over it is a product
+        sc, head = _unit_head(sc, node)
     sc = _with_unit_query(sc, head)
-    _check_head(sc, head, node)
-    w = Leaf(wn, tuple(names.get(c) if c != "1" else None for c in wl))
+    sc = _check_head(sc, head, node)
+    w = Leaf(wn, tuple(names.get(c) if c != "1" else None for c in wl), at=node)
     _check_factor_labels(sc, w, node)
     return sc.with_node(node, dims=tuple(names.get(c) for c in out), head=head, weights=sc.weights + (w,))
+
+
+def _unit_head(sc: Score, node: fx.Node) -> tuple[Score, Label]:
+    """A head dim of size 1 that matmul's broadcasting left unlabelled: give it a label of its own (no tensor
+    has it; the rewrite inserts it as a size-1 dim), so the one-head indexer is the same form as any other."""
+    if sc.head is not None or sc.masked:
+        raise Reject("the score is summed over a dimension that is not the indexer's head dimension", node)
+    head = next(_labels)
+    return replace(sc, query_free=sc.query_free + (head,)), head
 
 
 def _with_unit_query(sc: Score, head: Label) -> Score:
@@ -212,11 +229,17 @@ def _with_unit_query(sc: Score, head: Label) -> Score:
     return sc
 
 
-def _check_head(sc: Score, head: Label, node: fx.Node) -> None:
-    if sc.head is not None or head not in sc.query_free or len(sc.query_free) < 2:
-        raise Reject("the score is summed over a dimension that is not the indexer's head dimension", node)
+def _check_head(sc: Score, head: Label, node: fx.Node) -> Score:
+    if sc.head is not None:
+        raise Reject("the score is summed over heads twice (a second sum after the head sum)", node)
+    if head not in sc.query_free:
+        what = "the keys" if head == sc.key else "a dimension the keys share with the queries (a batch dimension)"
+        raise Reject(f"the score is summed over {what}, not over the query's heads", node)
     if sc.masked:
         raise Reject("a mask is applied before the head sum, which is not the indexer form", node)
+    if len(sc.query_free) < 2:  # decode with the query dim squeezed away: q [B, H, D] -> score [B, S]
+        return replace(sc, virtual_query=next(_labels))
+    return sc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +263,7 @@ def _align(sc: Score, node: fx.Node, t: fx.Node) -> Leaf:
             raise Reject("a tensor combined with the score would change the score's shape", node)
         else:
             labels.append(lab)
-    return Leaf(t, tuple(labels))
+    return Leaf(t, tuple(labels), at=node)
 
 
 def _score_shape(node: fx.Node, other: fx.Node) -> tuple | None:
@@ -316,14 +339,16 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
             raise Reject("the score is scaled by a symbolic number after a mask", node)
         # a symbolic number (e.g. a float attribute under dynamic=True): its sign is unknown, so it is
         # folded into q before the activation or into the weights after it, never into the scale
-        leaf = Leaf(other, ())
+        leaf = Leaf(other, (), at=node)
         if sc.relu or sc.head is not None:
             return sc.with_node(node, weights=sc.weights + (leaf,))
         return sc.with_node(node, pre=sc.pre + (leaf,))
     if divide or not is_tensor(other):
         raise Reject("the score is scaled by a value that is not a constant number", node)
     if sc.masked:
-        raise Reject("the score is multiplied by a tensor after a mask, so the mask's values would change", node)
+        what = "a tensor was added to it" if sc.bias and not (sc.keep or sc.fill is not None) else "a mask"
+        raise Reject(f"the score is multiplied by a tensor after {what}, so the added or masked values would be "
+                     "scaled too, which the indexer form does not do", node)
     leaf = _align(sc, node, other)
     before_act = not (sc.relu or sc.head is not None)
     if sc.key in leaf.labels:
@@ -337,16 +362,29 @@ def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
     return sc.with_node(node, pre=sc.pre + (leaf,))
 
 
-def _add(node: fx.Node, s_dim: int) -> Score:
+_SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _add(node: fx.Node, s_dim: int, subtract: bool = False) -> Score:
+    """score + x / score - x with a tensor x (an additive mask or bias): x becomes an additive term."""
     if named_arg(node, "alpha", 1) != 1:
-        raise Reject("add with alpha != 1 is not supported on the score", node)
+        raise Reject(f"{'sub' if subtract else 'add'} with alpha != 1 is not supported on the score", node)
     sc, other = _score_and_other(node, s_dim)
+    if subtract and other is node.args[0]:
+        raise Reject("the score is subtracted from something (a negated score), which is not the indexer form", node)
     if not is_tensor(other):
-        raise Reject("a constant is added to the score (only mask tensors are supported)", node)
+        raise Reject("a constant is added to the score (only mask or bias tensors are supported)", node)
+    if dtype(node) not in _SCORE_DTYPES:
+        raise Reject(f"adding this tensor makes the score {dtype(node)}; the selection computes in float32, less "
+                     "precisely than the model", node)
     leaf = _align(sc, node, other)
+    if dtype(other) is not None and not dtype(other).is_floating_point:  # the add converts an int or bool tensor
+        leaf = replace(leaf, cast=dtype(node))
+    if subtract:
+        leaf = replace(leaf, negate=True)
     if sc.fill is not None and sc.fill != float("-inf"):
         raise Reject("an additive mask follows a masked fill with a finite value", node)
-    return sc.with_node(node, bias=sc.bias + (leaf,), filled_before_bias=sc.fill is not None)
+    return sc.with_node(node, bias=sc.bias + (leaf,), filled_before_bias=sc.filled_before_bias or sc.fill is not None)
 
 
 def _fill(sc: Score, node: fx.Node, value) -> Score:
@@ -396,7 +434,7 @@ def _relu(node: fx.Node, s_dim: int) -> Score:
 
 def _is_relu_clamp(node: fx.Node) -> bool:
     """clamp(min=0) / clamp_min(0): ReLU spelled as a clamp."""
-    if node.target == "clamp_min":
+    if node.target in ("clamp_min", torch.clamp_min):
         low, high = node.args[1] if len(node.args) > 1 else node.kwargs.get("min"), None
     else:
         low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
@@ -428,6 +466,25 @@ def _sum(node: fx.Node, s_dim: int) -> Score:
     else:
         del dims[dim]
     return sc.with_node(node, dims=tuple(dims), head=head)
+
+
+def _mean(node: fx.Node, s_dim: int) -> Score:
+    """mean over the heads: the head sum scaled by 1 / H (H a number; the scale folds into the weights)."""
+    if node.kwargs.get("dtype") is not None:
+        raise Reject("the head mean is taken in another dtype", node)
+    sc = _sum(node, s_dim)
+    size = dim_size(sc, sc.head)
+    if not isinstance(size, int) or size < 1:
+        raise Reject("the score is averaged over a dimension of symbolic size", node)
+    return _scaled(replace(sc, nodes=sc.nodes[:-1]), node, 1.0 / size)
+
+
+def dim_size(sc: Score, label: Label):
+    """The size of a label's dim, from the leaf that has it (None for a label no tensor has)."""
+    for leaf in (sc.q, sc.k):
+        if label in leaf.labels:
+            return shape(leaf.node)[leaf.labels.index(label)]
+    return None
 
 
 _UPCAST_OK = (torch.float32, torch.float64)
@@ -479,7 +536,8 @@ def _one_dim_view(node: fx.Node, s_dim: int) -> Score | None:
 
 
 def _reshape_like(node: fx.Node, s_dim: int) -> Score:
-    """unsqueeze / squeeze / view / [None] indexing: only moves of size-1 dims are accepted."""
+    """unsqueeze / squeeze / view / [None] indexing: moves of size-1 dims, or a query dim split back into the
+    query and head dims it was flattened from (``bmm`` over ``q.reshape(b, t * h, d)``, then ``.view(b, t, h, s)``)."""
     if op_name(node) in ("unsqueeze", "squeeze") and len(node.args) + len(node.kwargs) == 2:
         one = _one_dim_view(node, s_dim)
         if one is not None:
@@ -488,7 +546,10 @@ def _reshape_like(node: fx.Node, s_dim: int) -> Score:
     ins, outs = shape(src), shape(node)
     real_in = [i for i, d in enumerate(ins) if not is_one(d)]
     real_out = [i for i, d in enumerate(outs) if not is_one(d)]
-    if len(real_in) != len(real_out) or any(ins[i] != outs[j] for i, j in zip(real_in, real_out)):
+    if len(real_in) != len(real_out) or any(not same_size(ins[i], outs[j]) for i, j in zip(real_in, real_out)):
+        split = _split_view(node, s_dim)
+        if split is not None:
+            return split
         raise Reject("the score is reshaped beyond adding or removing size-1 dimensions", node)
     if s_dim not in real_out:
         raise Reject("the key dimension has size 1", node)
@@ -501,6 +562,63 @@ def _reshape_like(node: fx.Node, s_dim: int) -> Score:
     for i, j in zip(real_in, real_out):
         dims[j] = sc.dims[i]
     return sc.with_node(node, dims=tuple(dims))
+
+
+def _split_groups(ins: tuple, outs: tuple) -> list[list[int]] | None:
+    """For each dim of ``ins``, the dims of ``outs`` it becomes, when the reshape only splits dims (each group's
+    product provably equals its input dim). None for any other reshape."""
+    groups, j = [], 0
+    for size in ins:
+        group, prod = [], 1
+        while j < len(outs) and (not group or not same_size(prod, size)):
+            group.append(j)
+            prod = prod * outs[j]
+            j += 1
+        if not same_size(prod, size):
+            return None
+        groups.append(group)
+    return groups if j == len(outs) else None
+
+
+def _split_view(node: fx.Node, s_dim: int) -> Score | None:
+    """The score's query dim, a flattening of q's own dims (q.reshape(b, t * h, d)), split back by this view.
+
+    Exact when only q carries the flattened dim: the split view of the score is then the score of q's
+    unflattened view. q's reshape joins the chain (it must die with it)."""
+    src = node.args[0]
+    groups = _split_groups(shape(src), shape(node))
+    if groups is None or sum(len(g) > 1 for g in groups) != 1:
+        return None
+    d_in = next(i for i, g in enumerate(groups) if len(g) > 1)
+    if s_dim in groups[d_in]:
+        return None
+    in_s = next(i for i, g in enumerate(groups) if s_dim in g)
+    sc = interpret(src, in_s)
+    flat = sc.dims[d_in]
+    others = (sc.k, *sc.pre, *sc.key_pre, *sc.weights, *sc.bias, *sc.keep)
+    if flat is None or flat not in sc.query_free or any(flat in leaf.labels for leaf in others):
+        return None
+    q_view = sc.q.node
+    if op_name(q_view) != "reshape" or not is_tensor(q_view.args[0]):
+        return None
+    q_dim = sc.q.labels.index(flat)
+    q_groups = _split_groups(shape(q_view), shape(q_view.args[0]))
+    sizes = [shape(node)[j] for j in groups[d_in]]
+    q_sizes = [shape(q_view.args[0])[j] for j in q_groups[q_dim]] if q_groups is not None else []
+    if len(q_sizes) != len(sizes) or not all(same_size(a, b) for a, b in zip(q_sizes, sizes)):
+        return None
+    if any(len(g) != 1 for i, g in enumerate(q_groups) if i != q_dim):
+        return None
+    new = tuple(next(_labels) for _ in sizes)
+    q_labels = []
+    for i, lab in enumerate(sc.q.labels):
+        q_labels.extend(new if i == q_dim else (lab,))
+    dims = []
+    for i, lab in enumerate(sc.dims):
+        dims.extend(new if i == d_in else (lab,))
+    query_free = tuple(x for lab in sc.query_free for x in (new if lab == flat else (lab,)))
+    return replace(sc, q=replace(sc.q, node=q_view.args[0], labels=tuple(q_labels)), query_free=query_free,
+                   nodes=(q_view,) + sc.nodes).with_node(node, dims=tuple(dims))
 
 
 def _getitem(node: fx.Node, s_dim: int) -> Score:
@@ -525,6 +643,9 @@ _HANDLERS = {
     "neg": lambda n, s: _scaled(interpret(n.args[0], s), n, -1.0),
     "sum": _sum,
     "add": _add,
+    "sub": lambda n, s: _add(n, s, subtract=True),
+    "mean": _mean,
+    "detach": _identity,
     "masked_fill": _masked_fill,
     "where": _where,
     "float": _cast,
@@ -546,7 +667,10 @@ def interpret(node, s_dim: int) -> Score:
     name = op_name(node)
     handler = _HANDLERS.get(name)
     if handler is None:
-        what = node.target if node.op != "placeholder" else f"graph input {node.name!r}"
+        if node.op == "placeholder":
+            raise Reject("the score is an input of this compiled graph, not computed in it: a graph break "
+                         "separates the scoring from the top-k (TORCH_LOGS=graph_breaks shows where)", node)
+        what = node.target if node.op != "get_attr" else f"the module attribute {node.target!r}"
         raise Reject(f"the score is produced by {getattr(what, '__name__', what)}, which is not part of the "
                      "indexer form (q.k -> relu -> head-weighted sum -> mask)", node)
     return handler(node, s_dim)

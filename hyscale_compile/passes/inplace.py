@@ -21,10 +21,12 @@ from .graph_ops import op_name
 
 _FUNCTIONS = {operator.iadd: operator.add, operator.imul: operator.mul, operator.itruediv: operator.truediv,
               operator.isub: operator.sub, torch.relu_: torch.relu}
-_METHODS = {"relu_", "mul_", "div_", "add_", "sub_", "masked_fill_"}
-_VIEWS = {"transpose", "permute", "unsqueeze", "squeeze", "reshape", "getitem", "expand"}
+_METHODS = {"relu_", "mul_", "div_", "add_", "sub_", "masked_fill_", "triu_", "tril_", "clamp_", "clamp_min_"}
+_VIEWS = {"transpose", "permute", "unsqueeze", "squeeze", "reshape", "getitem", "expand", "detach"}
 # Users that provably make a new tensor (never an alias): reading before the update is then harmless.
 # (.float()/.to()/.contiguous()/.detach() may return their input itself, so they are not here.)
+_NEW_TENSORS = {"full", "ones", "zeros", "arange", "full_like", "ones_like", "zeros_like", "new_full", "new_ones",
+                "new_zeros"}
 _FRESH_RESULT = {"relu", "clamp", "mul", "div", "add", "sub", "neg", "sum", "einsum", "matmul", "masked_fill",
                  "where", "topk", "sort", "gather", "and", "or", "le", "lt", "ge", "gt", "invert"}
 
@@ -70,7 +72,7 @@ def _fresh(x, update: fx.Node, order: dict) -> bool:
         x = x.args[0]
         if not isinstance(x, fx.Node) or len(x.users) != 1:
             return False
-    return op_name(x) in _FRESH_RESULT or op_name(x) in ("full", "ones", "zeros", "arange")  # a new tensor
+    return op_name(x) in _FRESH_RESULT or op_name(x) in _NEW_TENSORS
 
 
 def functionalize_ancestors(graph: fx.Graph, root: fx.Node) -> Undo:

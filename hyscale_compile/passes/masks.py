@@ -2,7 +2,9 @@
 
 A mask the model builds from positions (``arange(S)[None] <= arange(T)[:, None] + off``,
 ``full(-inf).triu(1)``, ``ones(bool).tril()``) becomes the causal kind with that offset: the kernel
-computes it from indices and no mask tensor is read. Row windows built from per-row tensors
+computes it from indices and no mask tensor is read. A triangle of -inf *added* to the score stays
+additive (``causal_additive``): behind it a NaN or +inf score is NaN, as in eager, where a replacing
+mask (``masked_fill``, ``where``, a bool mask) gives the fill. Row windows built from per-row tensors
 (``arange(S) >= ks[:, None]``) become ``starts``/``ends``. Any other mask is passed as a tensor,
 read tile by tile: always correct, only less cheap.
 
@@ -192,12 +194,16 @@ def _reindex(node: fx.Node) -> Affine | Pred:
     return x.moved(mapping)
 
 
+# Constant tensors a triangle is cut from: only their shape comes from elsewhere (``full_like(score, -inf)``).
+_CONSTANT_BASES = ("ones", "full", "ones_like", "full_like", "new_ones", "new_full")
+
+
 def _triangle(node: fx.Node) -> Pred:
     """ones/full(...).triu(d) as a predicate on where it is *nonzero*: col - row >= d (triu), <= d (tril)."""
     base = node.args[0]
-    if op_name(base) not in ("ones", "full"):
+    if op_name(base) not in _CONSTANT_BASES:
         raise _Unknown
-    if op_name(base) == "full" and named_arg(base, "fill_value") in (0, False):
+    if _fill_value(base) in (0, False, None):
         raise _Unknown
     d = _affine(named_arg(node, "diagonal", 0) or 0)  # an int or a symbolic size expression
     if d.coef or d.tensors:
@@ -212,17 +218,25 @@ def _fill_value(node: fx.Node):
     base = node
     while op_name(base) in ("triu", "tril"):
         base = base.args[0]
-    if op_name(base) == "full":
-        return named_arg(base, "fill_value")
-    if op_name(base) == "ones":
+    if op_name(base) in ("full", "full_like", "new_full"):
+        v = named_arg(base, "fill_value")
+        return v if isinstance(v, (int, float)) else None
+    if op_name(base) in ("ones", "ones_like", "new_ones"):
         return 1
+    return None
+
+
+def peel_not(leaf: Leaf) -> Leaf | None:
+    """``masked_fill(~visible, ...)``: the bool tensor of *visible* positions under the not, or None (the
+    not of an integer tensor is no bool tensor of its own: ``logical_not(int_mask)``)."""
+    if leaf.negate and op_name(leaf.node) == "invert" and dtype(leaf.node.args[0]) == torch.bool:
+        return Leaf(leaf.node.args[0], leaf.labels)
     return None
 
 
 def visible_where(leaf: Leaf) -> Pred | None:
     """The visibility a bool mask leaf expresses as a position predicate, if it has that form."""
-    if leaf.negate and op_name(leaf.node) == "invert":  # masked_fill(~visible, ...)
-        leaf = Leaf(leaf.node.args[0], leaf.labels)
+    leaf = peel_not(leaf) or leaf
     try:
         p = _affine_or_pred(leaf.node)
     except (_Unknown, TypeError, KeyError, IndexError, AttributeError):
@@ -239,7 +253,7 @@ def visible_where(leaf: Leaf) -> Pred | None:
 def additive_visible_where(leaf: Leaf) -> Pred | None:
     """``full(-inf).triu(d)``-style additive masks: -inf where the triangle holds, 0 elsewhere."""
     node = leaf.node
-    if op_name(node) not in ("triu", "tril") or _fill_value(node) != NEG_INF:
+    if leaf.negate or op_name(node) not in ("triu", "tril") or _fill_value(node) != NEG_INF:
         return None
     try:
         p = _triangle(node)
@@ -256,6 +270,7 @@ def additive_visible_where(leaf: Leaf) -> Pred | None:
 class MaskPlan:
     fill: float = NEG_INF
     causal: bool = False
+    causal_additive: bool = False  # the causal part is a -inf triangle added to the score
     offset: object = 0  # int or an fx.Node holding a SymInt
     offset_terms: tuple = ()
     starts: fx.Node | None = None
@@ -274,7 +289,7 @@ class MaskPlan:
     def emit(self, graph: fx.Graph, place, T, S) -> tuple[fx.Node | None, fx.Node | None]:
         """Insert the nodes computing the op's offset, windows, bool mask and bias; return (mask, bias).
 
-        ``place(graph, node, labels, rest)`` lays a tensor out as [batch, *rest] (batch may broadcast).
+        ``place(leaf, rest)`` lays a leaf's tensor out as [batch, *rest] (batch may broadcast).
         """
         self.offset = _emit_sum(graph, self.offset_terms)
         self.starts = _emit_row(graph, self.window_start, (T,), place)
@@ -282,15 +297,18 @@ class MaskPlan:
         order = (T, S)
         mask = None
         for leaf in self.keep:
-            if leaf.negate and op_name(leaf.node) == "invert":  # masked_fill(~visible, ...): use visible
-                leaf = Leaf(leaf.node.args[0], leaf.labels)
-            m = place(graph, leaf.node, leaf.labels, order)
+            leaf = peel_not(leaf) or leaf  # masked_fill(~visible, ...): use visible
+            m = place(leaf, order)
             if leaf.negate:
                 m = graph.call_function(torch.logical_not, (m,))
             mask = m if mask is None else graph.call_function(torch.logical_and, (mask, m))
         bias = None
         for leaf in self.bias:
-            b = place(graph, leaf.node, leaf.labels, order)
+            b = place(leaf, order)
+            if leaf.cast is not None:  # the model's add converts an int or bool term to the score's dtype
+                b = graph.call_method("to", (b, leaf.cast))
+            if leaf.negate:  # score - x == score + (-x), NaN and infinities included
+                b = graph.call_function(torch.neg, (b,))
             bias = b if bias is None else graph.call_function(torch.add, (bias, b))
         return mask, bias
 
@@ -300,7 +318,7 @@ def _emit_row(graph: fx.Graph, bound: tuple | None, rows: tuple, place) -> fx.No
     if bound is None:
         return None
     leaf, terms = bound
-    node = place(graph, leaf.node, leaf.labels, rows)
+    node = place(leaf, rows)
     node = graph.call_method("to", (node, torch.int64))
     c = _emit_sum(graph, terms)
     if not (isinstance(c, int) and c == 0):
@@ -385,9 +403,9 @@ def plan(sc: Score) -> MaskPlan:
     for leaf in sc.bias:
         p = additive_visible_where(leaf)
         terms = _causal_offset(p, leaf, sc) if p is not None else None
-        if terms is not None and not out.causal and out.fill == NEG_INF:
-            out.causal, out.offset_terms = True, terms
-            out.kinds.append("causal")
+        if terms is not None and not out.causal:
+            out.causal, out.causal_additive, out.offset_terms = True, True, terms
+            out.kinds.append("causal (additive)")
         else:
             out.bias.append(leaf)
             out.kinds.append("additive mask tensor")

@@ -40,7 +40,11 @@ def _must_recompute(node: fx.Node) -> bool:
 
 
 def _replayable(node: fx.Node) -> bool:
-    """A recompute-tagged node we may copy: random ops stay with the partitioner (it threads their seeds)."""
+    """A recompute-tagged node we may copy: random ops stay with the partitioner (it threads their seeds).
+
+    Two guards on purpose: the tag names random ops on every torch we support, and ``is_impure`` refuses
+    them too where it treats random ops as impure (torch >= 2.6) besides ops with side effects.
+    tests/test_replay.py checks that a dropout after the selection keeps its forward draw."""
     tags = getattr(node.target, "tags", ())
     return (node.op == "call_function" and _must_recompute(node) and torch.Tag.nondeterministic_seeded not in tags
             and not node.is_impure())
@@ -74,8 +78,10 @@ def _outputs(select: fx.Node, which: int) -> list[fx.Node]:
 
 
 def _bound_args(node: fx.Node) -> dict[str, Any]:
+    """Every argument of an op call by name, defaults filled in (a traced call omits them)."""
     schema = node.target._schema
-    named = {a.name: v for a, v in zip(schema.arguments, node.args)}
+    named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    named.update({a.name: v for a, v in zip(schema.arguments, node.args)})
     named.update(node.kwargs)
     return named
 

@@ -1,0 +1,161 @@
+"""Step 2 of the selection pass: is replacing the site by ``hyscale.select`` provably the same computation?
+
+Each check is a plain function of the site and its index expression that raises ``Reject`` with a reason a
+user can act on, apart from the rewrite itself (as Inductor keeps ``_sfdp_params_check`` apart from the
+attention patterns in ``fx_passes/fuse_attention.py``):
+
+* ``check_readers``: nothing but the selection, gathers at the selected indices, and metadata reads (a
+  ``full_like(score, ...)`` reads the shape only) reads the score table or an intermediate of it;
+* ``check_no_mutation_between``: nothing writes q, k, weights or masks between the score and the selection;
+* ``check_operands``: the inputs are 16/32-bit floats and the keys carry the queries' batch;
+* ``check_additive_order``: a tensor added after a masked fill keeps eager's IEEE values;
+* ``gradient_cuts``: which inputs eager's autograd never reaches from the selected values (``detach``,
+  ``no_grad``); the rewrite cuts the same inputs, so the op's gradients go exactly where eager's go.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from .graph_ops import dtype, is_one, is_tensor, op_name, shape, source_line, value
+from .index_expr import Leaf, Reject, Score
+from .sites import Site, describe
+
+# Ops that read only a tensor's shape, dtype or device: the score may be their input without being written.
+METADATA_READERS = ("full_like", "zeros_like", "ones_like", "empty_like", "new_full", "new_ones", "new_zeros",
+                    "new_empty")
+
+
+def reads_metadata_only(node: fx.Node, of: fx.Node) -> bool:
+    """``node`` reads only the shape, dtype and device of ``of`` (its first argument, and nowhere else)."""
+    if op_name(node) not in METADATA_READERS or not node.args or node.args[0] is not of:
+        return False
+    return of not in node.args[1:] and of not in node.kwargs.values()
+
+
+def check_readers(site: Site, sc: Score) -> list[fx.Node]:
+    """Nothing reads the table or its intermediates but the selection; returns the metadata readers, which the
+    rewrite points at a tensor of the same shape, dtype and device."""
+    allowed = {site.topk, *site.gathers}
+    metadata = []
+    for user in site.score_node.users:
+        if reads_metadata_only(user, site.score_node):
+            metadata.append(user)
+        elif user not in allowed:
+            raise Reject(f"the score table is read by {describe(user)} at {source_line(user)}, so it must be "
+                         "written; selection is left as it is", site.topk)
+    chain = set(sc.nodes)
+    for n in sc.nodes:
+        if n is site.score_node:
+            continue
+        for user in n.users:
+            if reads_metadata_only(user, n):
+                metadata.append(user)
+            elif user not in chain:
+                raise Reject(f"an intermediate of the score ({n.name}, e.g. the per-head scores) is read by "
+                             f"{describe(user)} at {source_line(user)}", site.topk)
+    return metadata
+
+
+def check_no_mutation_between(site: Site, sc: Score) -> None:
+    """The op reads q, k, weights and masks where the top-k stands; nothing may change them in between."""
+    order = {n: i for i, n in enumerate(site.topk.graph.nodes)}
+    first = min(order[n] for n in sc.nodes)
+    for n in site.topk.graph.nodes:
+        if first < order[n] < order[site.topk] and mutates(n) and not _writes_unread_new_tensor(n, order):
+            raise Reject(f"{describe(n)} at {source_line(n)} may change a tensor between the score and the "
+                         "selection", site.topk)
+
+
+_NEW_TENSORS = ("ones", "zeros", "full", "arange", "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros",
+                "new_full")
+
+
+def _writes_unread_new_tensor(n: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """``m = ones(...); m[1, 2:] = False``: a write into a tensor this graph just made, which nothing (no view
+    either: a view is a user) has read yet, is seen by every reader of it, eager's and the op's alike."""
+    target = n.args[0] if n.args else None
+    if not isinstance(target, fx.Node) or op_name(target) not in _NEW_TENSORS:
+        return False
+    return all(u is n or order[u] > order[n] for u in target.users)
+
+
+def mutates(n: fx.Node) -> bool:
+    """Conservatively: could this call write into an existing tensor?"""
+    if n.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if n.op == "call_module" or n.kwargs.get("out") is not None or n.kwargs.get("inplace"):
+        return True
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator"):
+        return n.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                            operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
+                            operator.ipow)  # and_, or_, not_ ... are not in-place
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._schema.is_mutable
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
+
+
+_OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_operands(sc: Score, node: fx.Node) -> None:
+    """Inputs the op takes as they are: 16/32-bit floats, and keys that carry the queries' batch."""
+    for leaf in (sc.q, sc.k, *sc.pre, *sc.key_pre, *sc.weights):
+        if is_tensor(leaf.node) and dtype(leaf.node) not in _OPERAND_DTYPES:
+            raise Reject(f"an input of the score is {dtype(leaf.node)}; the selection computes in float32, "
+                         "less precisely than the model", node)
+    for lab in sc.batch:
+        qs, ks = shape(sc.q.node)[sc.q.labels.index(lab)], shape(sc.k.node)[sc.k.labels.index(lab)]
+        if is_one(qs) and not is_one(ks):
+            raise Reject("the queries broadcast over the keys' batch dimension", node)
+
+
+def check_additive_order(sc: Score, node: fx.Node, causal_terms: list[Leaf]) -> None:
+    """A float tensor added *after* a masked fill: eager's value at a filled position is fill + x, NaN where x
+    is NaN or +inf, and x there receives gradient; the op replaces masked positions last. Exact only for terms
+    whose values cannot be NaN or +inf there and that need no gradient: an int or bool term the add converts
+    (always finite), or the -inf triangle the mask plan reads from positions (``causal_terms``)."""
+    if not sc.filled_before_bias:
+        return
+    for leaf in sc.bias:
+        if leaf.cast is not None or any(leaf is t for t in causal_terms):
+            continue
+        raise Reject("a float tensor is added to the score after a masked fill; where it holds NaN or +inf, or "
+                     "needs a gradient, the masked entries differ from the selection's (which applies masks "
+                     "last): add it before the masked_fill, or fill after adding", node)
+
+
+def requires_grad(node) -> bool:
+    v = value(node)
+    return isinstance(v, torch.Tensor) and v.requires_grad
+
+
+def eager_gradient_reaches(leaf: Leaf, sc: Score, score_node: fx.Node) -> bool:
+    """Does eager's autograd carry a gradient from the selected values back to ``leaf``?
+
+    Along a path of the chain from the node reading the leaf to the score, every tensor must require grad: a
+    ``detach()``, a ``torch.no_grad()`` region or an input that never required grad cuts the path (the example
+    values Dynamo records carry ``requires_grad`` as eager would set it)."""
+    if not requires_grad(leaf.node) or leaf.at is None:
+        return False
+    chain = set(sc.nodes)
+    todo, seen = [leaf.at], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or not requires_grad(n):
+            continue
+        if n is score_node:
+            return True
+        seen.add(n)
+        todo.extend(u for u in n.users if u in chain)
+    return False
+
+
+def gradient_cuts(sc: Score, score_node: fx.Node) -> set[int]:
+    """``id`` of every leaf the rewrite must detach: eager sends it no gradient through the selection."""
+    leaves = (sc.q, sc.k, *sc.pre, *sc.key_pre, *sc.weights, *sc.bias)
+    return {id(leaf) for leaf in leaves if not eager_gradient_reaches(leaf, sc, score_node)}
