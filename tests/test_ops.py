@@ -122,8 +122,11 @@ def test_relu_off_and_scale():
 
 
 def test_blocked_reference_equals_one_block(monkeypatch):
-    torch.manual_seed(0)
-    q, kx, w = torch.randn(2, 9, 3, 8), torch.randn(2, 17, 8), torch.randn(2, 9, 3)
+    """Exact inputs (multiples of 1/8, weights of 1/4): BLAS may sum a block in another order than the whole
+    table, so bitwise equality across blockings holds only where every partial sum is exact."""
+    g = torch.Generator().manual_seed(0)
+    q, kx = torch.randint(-4, 5, (2, 9, 3, 8), generator=g) / 8, torch.randint(-4, 5, (2, 17, 8), generator=g) / 8
+    w = torch.randint(-4, 5, (2, 9, 3), generator=g) / 4
     full = hyscale_compile.indexer_topk(q, kx, 5, weights=w, query_offset=8)
     monkeypatch.setattr(reference, "_BLOCK_ELEMS", 2 * 3 * 17 * 2)  # two query rows per block
     blocked = hyscale_compile.indexer_topk(q, kx, 5, weights=w, query_offset=8)
