@@ -160,3 +160,49 @@ def test_sequence_length_changes_recompile_once(name):
         torch.testing.assert_close(actual, expected, **LOGITS_TOL)
     assert len(graphs) <= 2, f"{len(graphs)} compiles for 5 sequence lengths"
     assert counters["hyscale"]["selection_rewritten"] == indexer_sites(model) * len(graphs), dict(counters["hyscale"])
+
+
+def _dynamo_graphs(model, inputs) -> list[torch.fx.GraphModule]:
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=record)(**inputs)
+    return graphs
+
+
+def _name(node) -> str:
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_graph_facts(attn):
+    """The summary facts of tests/models/HF_GRAPHS.md that the selection pass relies on, checked against the
+    graphs Dynamo makes of the installed transformers (the listings there are a snapshot; these are not)."""
+    model, inputs = tiny_deepseek_v32(index_topk=8, seq_len=16, attn_implementation=attn)
+    nodes = [n for gm in _dynamo_graphs(model, inputs) for n in gm.graph.nodes]
+    topks = [n for n in nodes if _name(n) == "topk"]
+    assert len(topks) == indexer_sites(model)
+    for topk in topks:
+        # Tensor.topk on the last dim; only the indices are read, cast to int32
+        assert topk.op == "call_method" and topk.kwargs.get("dim", -1) == -1
+        users = list(topk.users)
+        assert [u.args[1] for u in users] == [1]
+        (idx,) = users
+        assert [_name(u) for u in idx.users] == ["to"] and list(idx.users)[0].args[1] == torch.int32
+        # the score: the head-sum matmul of a 4-D matmul, squeezed, then masked
+        mask_op = topk.args[0]
+        assert _name(mask_op) == ("masked_fill" if attn == "sdpa" else "add")
+        squeeze = mask_op.args[0]
+        assert _name(squeeze) == "squeeze"
+        head_sum = squeeze.args[0]
+        assert _name(head_sum) == "matmul" and len(head_sum.meta["example_value"].shape) == 4
+        relu = head_sum.args[1]
+        assert _name(relu) == "relu"
+        # downstream: the int32 indices are scattered (as int64) into a dense bool [B, T, S] index mask
+        idx32 = list(idx.users)[0]
+        scatters = [u for n in idx32.users for u in n.users if _name(u) == "scatter"]
+        assert scatters and all(s.meta["example_value"].dtype == torch.bool for s in scatters)

@@ -292,3 +292,35 @@ def test_config_patches_install_and_chain():
     assert len(again.passes) == 2, "installing twice must not run the pass twice"
     listed = replay.inductor_config_patches({"joint_custom_pre_pass": [other]})["joint_custom_pre_pass"]
     assert isinstance(listed, replay.ChainedPass) and len(listed.passes) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# a random op in the replayed region: the backward must see the forward's draw, not a new one
+
+
+def _dropout_region(q, kx, w, x):
+    values, _ = _dense_indexer(q, kx, w, "values")
+    return torch.nn.functional.dropout(values + x, p=0.5, training=True)
+
+
+def _dropout_model(q, kx, w, x):
+    return checkpoint(_dropout_region, q, kx, w, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_random_op_after_the_selection_keeps_its_forward_draw(compiler):
+    """dropout(values + x) under checkpointing: x.grad is the forward's keep mask times 1 / (1 - p). Replay
+    copies the deterministic reads of the values into the backward; a random op stays with the partitioner,
+    which replays its seed, so the backward's mask is the forward's."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, H, D, generator=g).abs().requires_grad_()
+    kx = torch.randn(B, S, D, generator=g).abs().requires_grad_()
+    w = torch.randn(B, T, H, generator=g).requires_grad_()
+    x = (torch.rand(B, T, K, generator=g) + 1.0).requires_grad_()  # values + x never 0: kept entries show
+    counters.clear()
+    out = torch.compile(_dropout_model, backend="hyscale", options={"compiler": compiler})(q, kx, w, x)
+    out.sum().backward()
+    assert counters["hyscale"]["selection_rewritten"] == 1
+    kept = (out != 0).float()
+    assert 0 < kept.mean() < 1
+    torch.testing.assert_close(x.grad, kept * 2.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import flat
+from helpers import flat, ties_by_position
 
 import hyscale_compile
 
@@ -171,3 +171,48 @@ def test_rewrites_are_exact_and_the_rest_still_run(name):
 def test_mask_with_alpha_is_not_read_as_a_plain_offset():
     report = hyscale_compile.explain(mask_with_alpha, *_args("mask_with_alpha"))
     assert report.sites[0].mask_kind == "bool mask tensor"
+
+
+# ---------------------------------------------------------------------------------------------
+# cases that kill mutants of the legality checks (each mutant gives a wrong result on these tiny models)
+
+
+def gather_at_other_indices(q, k, w):
+    """A gather of the table at indices that are not the top-k's: the table is read, so it must be written."""
+    s = _score(q, k, w)
+    idx = s.topk(K).indices
+    return s.gather(-1, idx.flip(-1) % S), idx
+
+
+def write_to_q_inside_the_score(q, k, w):
+    """q changes between the q.k product and the selection: the op, reading q at the top-k, would see it."""
+    s = torch.relu(_dots(q, k))
+    q.mul_(-1.0)
+    return (s * w[..., None]).sum(2).topk(K)
+
+
+def triangle_then_finite_fill(q, k, w):
+    """(s + full(-inf).triu(1)).masked_fill(~keep, -1e4): rows that see fewer than K keys pick both kinds of
+    masked entry; those behind the triangle are -inf (added), those outside keep are -1e4 (replaced)."""
+    tri = torch.full((T, S), NEG).triu(1)
+    keep = torch.ones(S, dtype=torch.bool)
+    keep[1] = False
+    return (_score(q, k, w) + tri).masked_fill(~keep, -1e4).topk(K)
+
+
+@pytest.mark.parametrize("model", [gather_at_other_indices, write_to_q_inside_the_score, triangle_then_finite_fill],
+                         ids=lambda f: f.__name__)
+def test_legality_mutants_are_caught(model):
+    got = flat(torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*_qkw()))
+    with ties_by_position():  # masked picks tie; the operator takes the lowest positions
+        want = flat(model(*_qkw()))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_triangle_then_finite_fill_is_additive_and_rewritten():
+    report = hyscale_compile.explain(triangle_then_finite_fill, *_qkw())
+    assert [s.decision for s in report.sites] == ["rewritten"]
+    assert "causal (additive)" in report.sites[0].mask_kind
+    values = triangle_then_finite_fill(*_qkw()).values
+    assert (values == -1e4).any() and torch.isinf(values).any()  # both kinds of masked pick occur
