@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import lowering  # noqa: F401  (registers torch.ops.hyscale.*)
-from .passes import selection
+from .passes import report, selection
 
 
 @dataclass
@@ -75,7 +75,9 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
     """Dynamo backend entry point."""
     opts, rest = HyscaleOptions.split(options)
     if opts.rewrite:
-        selection.run(gm, debug_dir=opts.debug_dir)
+        report.publish(gm, selection.run(gm, debug_dir=opts.debug_dir))
+    else:
+        report.log.debug("hyscale: options['rewrite'] is False: the selection pass does not run")
     if opts.compiler == "eager":
         return gm.forward
     if opts.compiler == "aot_eager":
