@@ -7,6 +7,8 @@ twice (once by the decorator, once by the entry point) and trip Dynamo's duplica
 
 from __future__ import annotations
 
+import os
+import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -15,33 +17,106 @@ import torch
 from . import lowering  # noqa: F401  (registers torch.ops.hyscale.*)
 from .passes import report, selection
 
+COMPILERS = ("inductor", "aot_eager", "eager")
+
 
 @dataclass
 class HyscaleOptions:
-    """Our keys of ``torch.compile(..., options=...)``; every other key goes to Inductor's config.
+    """Our keys of ``torch.compile(..., options=...)``; every other key must be an Inductor config key.
 
     debug_dir: write the graph before/after each pass there.
     rewrite:   run the selection pass (False: compile the model as Inductor would).
     replay:    save selection indices and rescore them under recomputation (training).
     compiler:  what compiles the rewritten graph: "inductor" (default), "aot_eager" or "eager".
+    mode:      Inductor's mode ("max-autotune", ...), for when other options are given too (torch.compile
+               refuses ``mode=`` together with ``options=``).
     """
 
     debug_dir: str | None = None
     rewrite: bool = True
     replay: bool = True
     compiler: str = "inductor"
+    mode: str | None = None
 
     @classmethod
-    def split(cls, options: dict[str, Any] | None) -> tuple[HyscaleOptions, dict[str, Any]]:
+    def parse(cls, options: dict[str, Any] | None, mode: str | None = None
+              ) -> tuple[HyscaleOptions, dict[str, Any]]:
+        """Our options, checked, and the Inductor config patches the other keys are (also checked).
+
+        Raises ValueError for a key that is neither ours nor Inductor's (a misspelling), or for a value
+        outside our choices; TypeError for a value of the wrong type.
+        """
         options = dict(options or {})
         ours = {f.name: options.pop(f.name) for f in fields(cls) if f.name in options}
-        return cls(**ours), options
+        if mode is not None and ours.get("mode") is not None:
+            raise ValueError(f"hyscale: mode given twice, as mode={mode!r} and options['mode']={ours['mode']!r}; "
+                             "give it once")
+        if mode is not None:
+            ours["mode"] = mode
+        for name, value in ours.items():
+            _check_type(name, value)
+        if isinstance(ours.get("debug_dir"), os.PathLike):
+            ours["debug_dir"] = os.fspath(ours["debug_dir"])
+        opts = cls(**ours)
+        if opts.compiler not in COMPILERS:
+            raise ValueError(f"hyscale: options['compiler'] must be one of {', '.join(map(repr, COMPILERS))}, "
+                             f"got {opts.compiler!r}")
+        if opts.mode == "default":
+            opts.mode = None
+        if opts.mode is not None:
+            modes = [m for m in torch._inductor.list_mode_options() if m != "default"]
+            if opts.mode not in modes:
+                raise ValueError(f"hyscale: unknown mode {opts.mode!r}; Inductor's modes are "
+                                 f"{', '.join(map(repr, ['default', *modes]))}")
+        return opts, _inductor_options(options)
 
 
-def _inductor_patches(mode: str | None, rest: dict[str, Any], opts: HyscaleOptions) -> dict[str, Any]:
+_TYPES = {"debug_dir": (str, os.PathLike, type(None)), "rewrite": bool, "replay": bool, "compiler": str,
+          "mode": (str, type(None))}
+_EXPECTED = {"debug_dir": "a path (str) or None", "rewrite": "True or False", "replay": "True or False",
+             "compiler": "a str", "mode": "a str or None"}
+
+
+def _check_type(name: str, value: Any) -> None:
+    if not isinstance(value, _TYPES[name]):
+        raise TypeError(f"hyscale: options[{name!r}] must be {_EXPECTED[name]}, got {value!r} "
+                        f"({type(value).__name__})")
+
+
+def _inductor_options(rest: dict[str, Any]) -> dict[str, Any]:
+    """The keys that are not ours, as Inductor config patches, checked as torch.compile checks its options."""
+    from torch._inductor import config
+
+    current = config.get_config_copy()
+    patches = {}
+    for key, value in rest.items():
+        name = key.replace("-", "_")
+        if name not in current:
+            ours = ", ".join(f.name for f in fields(HyscaleOptions))
+            raise ValueError(f"hyscale: unknown option {key!r}. hyscale's options are: {ours}; any other key must "
+                             f"be an Inductor config key (torch._inductor.config), and {key!r} is not one")
+        expected = _config_type(config, name)
+        if expected is not None and not isinstance(value, expected):
+            raise TypeError(f"hyscale: Inductor option {key!r} must be {expected.__name__}, got {value!r} "
+                            f"({type(value).__name__})")
+        patches[name] = value
+    return patches
+
+
+def _config_type(config, name: str) -> type | None:
+    """The declared type of an Inductor config key when it is a plain class (generic types are not checked)."""
+    get_type = getattr(config, "get_type", None)
+    try:
+        t = get_type(name) if get_type is not None else None
+    except Exception:
+        return None
+    return t if isinstance(t, type) and typing.get_origin(t) is None else None
+
+
+def _inductor_patches(rest: dict[str, Any], opts: HyscaleOptions) -> dict[str, Any]:
     patches: dict[str, Any] = {}
-    if mode and mode != "default":
-        patches.update(torch._inductor.list_mode_options(mode))
+    if opts.mode:
+        patches.update(torch._inductor.list_mode_options(opts.mode))
     patches.update(rest)
     if opts.replay:
         from .passes import replay
@@ -73,7 +148,7 @@ def _aot_eager(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Hyscal
 def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
             mode: str | None = None):
     """Dynamo backend entry point."""
-    opts, rest = HyscaleOptions.split(options)
+    opts, rest = HyscaleOptions.parse(options, mode)
     if opts.rewrite:
         report.publish(gm, selection.run(gm, debug_dir=opts.debug_dir))
     else:
@@ -82,12 +157,9 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
         return gm.forward
     if opts.compiler == "aot_eager":
         return _aot_eager(gm, example_inputs, opts)
-    if opts.compiler != "inductor":
-        raise ValueError(f"hyscale: options['compiler'] must be 'inductor', 'aot_eager' or 'eager', "
-                         f"got {opts.compiler!r}")
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=_inductor_patches(mode, rest, opts))
+    return compile_fx(gm, example_inputs, config_patches=_inductor_patches(rest, opts))
 
 
 def register_if_missing() -> None:
