@@ -7,6 +7,7 @@ twice (once by the decorator, once by the entry point) and trip Dynamo's duplica
 
 from __future__ import annotations
 
+import contextlib
 import os
 import typing
 from dataclasses import dataclass, fields
@@ -159,7 +160,27 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
         return _aot_eager(gm, example_inputs, opts)
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=_inductor_patches(rest, opts))
+    with _fresh_joint_pass(gm, opts):
+        return compile_fx(gm, example_inputs, config_patches=_inductor_patches(rest, opts))
+
+
+def _fresh_joint_pass(gm: torch.fx.GraphModule, opts: HyscaleOptions):
+    """Skip AOTAutograd's cache for a graph whose replay counters the joint pass must compute.
+
+    A hit in that cache skips the joint graph, so the replay pass would not run and ``replay_applied``
+    would read 0 on a warm start. Only checkpointed training graphs with a selection are concerned;
+    their fw/bw kernels still come from Inductor's FX graph cache (the costly part of a compile).
+    """
+    from .passes import replay
+
+    if not (opts.replay and torch.is_grad_enabled() and replay.counts_in_joint_graph(gm)):
+        return contextlib.nullcontext()
+    functorch_config = torch._functorch.config
+    if not hasattr(functorch_config, "enable_autograd_cache"):
+        return contextlib.nullcontext()
+    report.log.debug("hyscale: not using AOTAutograd's cache for a checkpointed graph with a selection, so "
+                     "that the replay pass runs and is counted (compiled kernels still come from Inductor's cache)")
+    return functorch_config.patch(enable_autograd_cache=False)
 
 
 def register_if_missing() -> None:

@@ -15,8 +15,14 @@ before partitioning, changes that for every ``hyscale.select``:
 Without any recomputation in the graph only the tags change (values are [B, T, k], cheap to keep),
 so graphs without checkpointing are never turned into checkpointed ones.
 
+Counter ``replay_applied``: the selection sites whose recomputation this pass rewrote, i.e. a select
+inside a checkpointed region whose outputs the backward needs (the partitioner would have run it again
+there). Saving the indices of a select that is not recomputed anyway is not counted.
+
 Registered as Inductor's ``joint_custom_pre_pass`` by ``inductor_config_patches``; an existing pass
-there is chained, not replaced (torch 2.11/2.12 take one pass, not a list).
+there is chained, not replaced (torch 2.11/2.12 take one pass, not a list). A hit in AOTAutograd's
+cache skips the joint graph and this pass with it; the backend therefore compiles checkpointed graphs
+with a selection without that cache (``counts_in_joint_graph``), so the counter is the same warm or cold.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import torch._inductor.config  # noqa: F401  (read in inductor_config_patches)
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
+
+from .report import log, shown
 
 _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 _SOURCES = (Path(__file__), Path(__file__).parent.parent / "lowering" / "ops.py")
@@ -169,8 +177,29 @@ def _save_selection(select: fx.Node) -> None:
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+def _needed_by_backward(select: fx.Node, bw: set[fx.Node]) -> bool:
+    """Whether the backward reads an output of ``select``, directly or through recomputed forward nodes."""
+    seen, todo = {select}, [select]
+    while todo:
+        for user in todo.pop().users:
+            if user in bw:
+                return True
+            if user not in seen and _must_recompute(user):
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def _where(node: fx.Node) -> str:
+    from .graph_ops import source_line
+
+    line = source_line(node)
+    return f"node {node.name}" if line == "<unknown>" else shown(line)
+
+
 def apply(graph: fx.Graph) -> int:
-    """Run selection replay on a joint graph; returns the number of select sites handled."""
+    """Run selection replay on a joint graph; returns the number of selection sites whose recomputation it
+    rewrote (the ``replay_applied`` counter)."""
     selects = [n for n in graph.nodes if _is_select(n)]
     if not selects:
         return 0
@@ -178,17 +207,39 @@ def apply(graph: fx.Graph) -> int:
 
     bw = _backward_nodes(graph)
     recomputing = any(_must_recompute(n) for n in graph.nodes)
-    handled = 0
+    applied = 0
     for select in selects:
         if select in bw:  # a select inside the backward (double backward): not ours to move
             continue
+        replayed = _must_recompute(select) and _needed_by_backward(select, bw)
         _save_selection(select)
-        if recomputing:
-            counters["hyscale"]["replay_rescore_nodes"] += _Replayer(graph, select, bw).run()
-        counters["hyscale"]["replay_applied"] += 1
-        handled += 1
+        rescores = _Replayer(graph, select, bw).run() if recomputing else 0
+        if replayed:
+            applied += 1
+            counters["hyscale"]["replay_applied"] += 1
+            how = "rescores the saved indices" if rescores else "reads the saved indices"
+            log.info("hyscale: replay: the backward %s of the selection at %s instead of selecting again",
+                     how, _where(select))
+        else:
+            log.debug("hyscale: replay: the selection at %s is not recomputed in the backward; its outputs are "
+                      "saved", _where(select))
     graph.lint()
-    return handled
+    return applied
+
+
+def counts_in_joint_graph(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` (a Dynamo graph) has a selection and a checkpointed region: its replay counters come
+    from the joint graph, which a hit in AOTAutograd's cache never builds."""
+    targets = {n.target for _, m in gm.named_modules() if isinstance(m, fx.GraphModule)
+               for n in m.graph.nodes if n.op == "call_function"}
+    selects = {torch.ops.hyscale.select, torch.ops.hyscale.select.default}  # by hand, or from the selection pass
+    return bool(selects & targets) and _checkpoint_op() in targets
+
+
+def _checkpoint_op() -> Any:
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint
+
+    return tag_activation_checkpoint
 
 
 class ReplayPass(CustomGraphPass):
