@@ -25,7 +25,8 @@ COMPILERS = ("inductor", "aot_eager", "eager")
 class HyscaleOptions:
     """Our keys of ``torch.compile(..., options=...)``; every other key must be an Inductor config key.
 
-    debug_dir: write the graph before/after each pass there.
+    debug_dir: write the graph before/after each pass there (and compile without Inductor's caches, so
+               that every pass runs and is written).
     rewrite:   run the selection pass (False: compile the model as Inductor would).
     replay:    save selection indices and rescore them under recomputation (training).
     compiler:  what compiles the rewritten graph: "inductor" (default), "aot_eager" or "eager".
@@ -119,10 +120,16 @@ def _inductor_patches(rest: dict[str, Any], opts: HyscaleOptions) -> dict[str, A
     if opts.mode:
         patches.update(torch._inductor.list_mode_options(opts.mode))
     patches.update(rest)
+    if opts.debug_dir:
+        patches["force_disable_caches"] = True  # a graph served from a cache runs no pass, so none is dumped
     if opts.replay:
         from .passes import replay
 
-        patches.update(replay.inductor_config_patches(patches))
+        patches.update(replay.inductor_config_patches(patches, debug_dir=opts.debug_dir))
+    if opts.debug_dir:
+        from .passes import debug
+
+        patches.update(debug.inductor_config_patches(patches, opts.debug_dir))
     return patches
 
 
@@ -132,6 +139,8 @@ def _aot_eager(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Hyscal
     from torch._functorch.aot_autograd import make_boxed_compiler
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    from .passes import debug
+
     def _noop(g, _):
         return g
 
@@ -139,9 +148,13 @@ def _aot_eager(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Hyscal
         if opts.replay:
             from .passes import replay
 
-            replay.apply(joint.graph)
+            replay.run(joint.graph, debug_dir=opts.debug_dir)
             joint.recompile()
-        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        if opts.debug_dir:
+            debug.dump_partitioned(fw.graph, opts.debug_dir)
+            debug.dump_partitioned(bw.graph, opts.debug_dir)
+        return fw, bw
 
     return aot_autograd(fw_compiler=make_boxed_compiler(_noop), partition_fn=_partition)(gm, example_inputs)
 

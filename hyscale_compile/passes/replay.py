@@ -28,6 +28,7 @@ with a selection without that cache (``counts_in_joint_graph``), so the counter 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
+from . import debug
 from .report import log, shown
 
 _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
@@ -88,16 +90,16 @@ def _bound_args(node: fx.Node) -> dict[str, Any]:
     return named
 
 
-def _fake_value(target, args: tuple) -> Any:
+def _fake_value(target, kwargs: dict[str, Any]) -> Any:
     """meta["val"] of a new node, from the op's fake rule under the graph's fake mode."""
     from torch._guards import detect_fake_mode
 
-    fake_args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    mode = detect_fake_mode(fake_args)
+    fake = {k: a.meta["val"] if isinstance(a, fx.Node) else a for k, a in kwargs.items()}
+    mode = detect_fake_mode(list(fake.values()))
     if mode is None:
         return None
     with mode:
-        return target(*fake_args)
+        return target(**fake)
 
 
 class _Replayer:
@@ -137,9 +139,11 @@ class _Replayer:
     def rescore(self) -> fx.Node:
         a = _bound_args(self.select)
         target = torch.ops.hyscale.rescore.default
-        args = tuple(self.indices() if arg.name == "indices" else a[arg.name] for arg in target._schema.arguments)
-        node = self.graph.call_function(target, args)
-        node.meta["val"] = _fake_value(target, args)
+        # by name, so that dumps read rescore(q=..., indices=..., scale=...)
+        kwargs = {arg.name: self.indices() if arg.name == "indices" else a[arg.name]
+                  for arg in target._schema.arguments}
+        node = self.graph.call_function(target, (), kwargs)
+        node.meta["val"] = _fake_value(target, kwargs)
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         for key in ("ac_graph_id", "stack_trace", "nn_module_stack"):
             if key in self.select.meta:
@@ -227,6 +231,19 @@ def apply(graph: fx.Graph) -> int:
     return applied
 
 
+def run(graph: fx.Graph, debug_dir: str | None = None) -> int:
+    """``apply``, with the joint graph before and after written to the trace and to ``debug_dir``."""
+    if not any(_is_select(n) for n in graph.nodes):
+        return 0
+    wanted = bool(debug_dir) or debug.tracing()
+    before = debug.graph_text(graph) if wanted else ""
+    applied = apply(graph)
+    if wanted:
+        after = debug.graph_text(graph)
+        debug.dump_stages("replay", "joint", {"before": lambda: before, "after": lambda: after}, debug_dir)
+    return applied
+
+
 def counts_in_joint_graph(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` (a Dynamo graph) has a selection and a checkpointed region: its replay counters come
     from the joint graph, which a hit in AOTAutograd's cache never builds."""
@@ -243,10 +260,16 @@ def _checkpoint_op() -> Any:
 
 
 class ReplayPass(CustomGraphPass):
-    """Inductor joint-graph pass object; ``uuid`` changes whenever our sources do (FX graph cache key)."""
+    """Inductor joint-graph pass object; ``uuid`` changes whenever our sources do (FX graph cache key).
+
+    ``debug_dir`` is not part of the key: a compile with a debug_dir does not use Inductor's caches.
+    """
+
+    def __init__(self, debug_dir: str | None = None):
+        self.debug_dir = debug_dir
 
     def __call__(self, graph: fx.Graph) -> None:
-        apply(graph)
+        run(graph, self.debug_dir)
 
     def uuid(self) -> Any:
         return get_hash_for_files(tuple(str(p) for p in _SOURCES))
@@ -282,11 +305,19 @@ def _flatten(p: Any) -> list[Any]:
     return [p]
 
 
-def inductor_config_patches(current: dict[str, Any]) -> dict[str, Any]:
-    """Inductor config patches that install the replay pass, chained after any pass already set."""
-    key = "joint_custom_pre_pass"
+def install_pass(current: dict[str, Any], key: str, new: Any,
+                 same: Callable[[Any], bool] | None = None) -> dict[str, Any]:
+    """Inductor config patches that put ``new`` at ``key``, chained after any pass already there (from
+    ``current`` patches or the config); an earlier pass for which ``same`` holds is replaced."""
     existing = current[key] if key in current else getattr(torch._inductor.config, key, None)
-    passes = [p for p in _flatten(existing) if not isinstance(p, ReplayPass)]
+    same = same or (lambda p: type(p) is type(new))
+    passes = [p for p in _flatten(existing) if not same(p)]
     if not passes:
-        return {key: ReplayPass()}
-    return {key: ChainedPass([*passes, ReplayPass()])}
+        return {key: new}
+    return {key: ChainedPass([*passes, new])}
+
+
+def inductor_config_patches(current: dict[str, Any], debug_dir: str | None = None) -> dict[str, Any]:
+    """Inductor config patches that install the replay pass, chained after any pass already set."""
+    return install_pass(current, "joint_custom_pre_pass", ReplayPass(debug_dir),
+                        same=lambda p: isinstance(p, ReplayPass))
