@@ -151,9 +151,21 @@ def annotate_graph_inputs(gm: torch.fx.GraphModule, reports: list[SiteReport]) -
 # what users read
 
 
+# explain()'s top-level caller, the one frame of a stack trace that is ours: Dynamo keeps it when it drops the
+# user's frames (code without a source file: exec, a REPL), and then it is no user source line.
+EXPLAIN_FILE = "<hyscale_compile.explain>"
+_EXPLAIN_FRAME = re.compile(re.escape(EXPLAIN_FILE) + r":\d+ \([^()]*\)")
+
+
+def scrub(text: str) -> str:
+    """``text`` with explain()'s own frame shown as the unknown source it stands for."""
+    return _EXPLAIN_FRAME.sub("<unknown>", text) if EXPLAIN_FILE in text else text
+
+
 def shown(text: str) -> str:
     """A path or a sentence as shown to users: paths under the current directory relative to it, and
     Dynamo's resume functions by the user's own function name."""
+    text = scrub(text)
     cwd = os.getcwd()
     if cwd != os.sep:
         text = text.replace(cwd + os.sep, "")
