@@ -78,7 +78,10 @@ class TinyModel(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, rank)
-        return self.head(x)
+        # Logits [B*T, vocab], flattened before the projection: the matmul's own output. A [B, T, vocab]
+        # result would be a view of it (compiled graphs return views of intermediates as views), and FSDP2
+        # warns about a view output, since an in-place op on it would skip FSDP's pre-backward hook.
+        return self.head(x.flatten(0, 1))
 
 
 def parse_args() -> argparse.Namespace:
@@ -143,7 +146,7 @@ def train(rank: int, world: int, device: torch.device, L: int, k: int, steps: in
     inputs, targets = tokens[:, 1:][:, rank * T:(rank + 1) * T], tokens[:, :-1][:, rank * T:(rank + 1) * T]
     for step in range(steps):
         logits = compiled(inputs, rank)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss = nn.functional.cross_entropy(logits.float(), targets.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -8,6 +8,18 @@ from .backend import register_if_missing
 from .explain import ExplainReport, explain
 from .lowering.api import indexer_topk
 
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hyscale_compile")
+    except PackageNotFoundError:  # a source checkout on sys.path, not installed
+        return "0+unknown"
+
+
+__version__ = _version()
+
 register_if_missing()
 
-__all__ = ["ExplainReport", "explain", "indexer_topk"]
+__all__ = ["ExplainReport", "__version__", "explain", "indexer_topk"]

@@ -179,7 +179,9 @@ def test_graph_input_score_names_the_graph_break():
         return s.topk(K)
 
     report = hyscale_compile.explain(model, *_qkw())
-    assert "graph break" in report.sites[0].reason
+    (site,) = report.sites
+    assert "not computed in it" in site.reason and site.graph_input is not None
+    assert site.graph_break is not None and "graph break" in str(report)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -208,9 +208,8 @@ def test_backward_never_runs_select(loss, ckpt):
     assert "hyscale::sparse_backward" in r["bw_ops"]
     if ckpt != "none":
         assert "hyscale::rescore" in r["bw_ops"]
-    assert r["counters"].get("replay_applied") == SITES.get(ckpt, 1)
-    if ckpt != "none":
-        assert r["counters"].get("replay_rescore_nodes") == SITES.get(ckpt, 1)
+    # counted where a recomputation of the selection was rewritten: never without checkpointing
+    assert r["counters"].get("replay_applied", 0) == (0 if ckpt == "none" else SITES.get(ckpt, 1))
 
 
 @pytest.mark.parametrize("loss,ckpt", VARIANTS)
@@ -258,7 +257,7 @@ bw: sparse_backward""")
 def test_unmodified_indexer_is_rewritten_and_replayed():
     r = _run("gather", "ckpt", "dense")
     assert r["counters"].get("selection_rewritten") == 1, r["counters"]
-    assert r["counters"].get("replay_applied") == 1 and r["counters"].get("replay_rescore_nodes") == 1
+    assert r["counters"].get("replay_applied") == 1
     assert "hyscale::select" not in r["bw_ops"] and "hyscale::rescore" in r["bw_ops"]
     _assert_close(r["out"], r["ref"])
     for got, want in zip(r["grads"], r["ref_grads"]):

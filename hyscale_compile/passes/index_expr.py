@@ -33,10 +33,11 @@ Label = int | None  # None: a size-1 dimension that only broadcasts
 class Reject(Exception):
     """The site is not the indexer form (or cannot be proven to be); the message says why."""
 
-    def __init__(self, reason: str, node: fx.Node | None = None) -> None:
+    def __init__(self, reason: str, node: fx.Node | None = None, graph_input: fx.Node | None = None) -> None:
         where = f" (at {source_line(node)})" if node is not None else ""
         super().__init__(reason + where)
         self.reason = reason + where
+        self.graph_input = graph_input  # the placeholder the score is read from, when it is not computed here
 
 
 @dataclass(frozen=True)
@@ -668,8 +669,7 @@ def interpret(node, s_dim: int) -> Score:
     handler = _HANDLERS.get(name)
     if handler is None:
         if node.op == "placeholder":
-            raise Reject("the score is an input of this compiled graph, not computed in it: a graph break "
-                         "separates the scoring from the top-k (TORCH_LOGS=graph_breaks shows where)", node)
+            raise Reject("the score is an input of this compiled graph, not computed in it", graph_input=node)
         what = node.target if node.op != "get_attr" else f"the module attribute {node.target!r}"
         raise Reject(f"the score is produced by {getattr(what, '__name__', what)}, which is not part of the "
                      "indexer form (q.k -> relu -> head-weighted sum -> mask)", node)

@@ -15,13 +15,20 @@ before partitioning, changes that for every ``hyscale.select``:
 Without any recomputation in the graph only the tags change (values are [B, T, k], cheap to keep),
 so graphs without checkpointing are never turned into checkpointed ones.
 
+Counter ``replay_applied``: the selection sites whose recomputation this pass rewrote, i.e. a select
+inside a checkpointed region whose outputs the backward needs (the partitioner would have run it again
+there). Saving the indices of a select that is not recomputed anyway is not counted.
+
 Registered as Inductor's ``joint_custom_pre_pass`` by ``inductor_config_patches``; an existing pass
-there is chained, not replaced (torch 2.11/2.12 take one pass, not a list).
+there is chained, not replaced (torch 2.11/2.12 take one pass, not a list). A hit in AOTAutograd's
+cache skips the joint graph and this pass with it; the backend therefore compiles checkpointed graphs
+with a selection without that cache (``counts_in_joint_graph``), so the counter is the same warm or cold.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,9 @@ import torch._inductor.config  # noqa: F401  (read in inductor_config_patches)
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
+
+from . import debug
+from .report import log, shown
 
 _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 _SOURCES = (Path(__file__), Path(__file__).parent.parent / "lowering" / "ops.py")
@@ -86,16 +96,16 @@ def _bound_args(node: fx.Node) -> dict[str, Any]:
     return named
 
 
-def _fake_value(target, args: tuple) -> Any:
+def _fake_value(target, kwargs: dict[str, Any]) -> Any:
     """meta["val"] of a new node, from the op's fake rule under the graph's fake mode."""
     from torch._guards import detect_fake_mode
 
-    fake_args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    mode = detect_fake_mode(fake_args)
+    fake = {k: a.meta["val"] if isinstance(a, fx.Node) else a for k, a in kwargs.items()}
+    mode = detect_fake_mode(list(fake.values()))
     if mode is None:
         return None
     with mode:
-        return target(*fake_args)
+        return target(**fake)
 
 
 class _Replayer:
@@ -135,9 +145,11 @@ class _Replayer:
     def rescore(self) -> fx.Node:
         a = _bound_args(self.select)
         target = torch.ops.hyscale.rescore.default
-        args = tuple(self.indices() if arg.name == "indices" else a[arg.name] for arg in target._schema.arguments)
-        node = self.graph.call_function(target, args)
-        node.meta["val"] = _fake_value(target, args)
+        # by name, so that dumps read rescore(q=..., indices=..., scale=...)
+        kwargs = {arg.name: self.indices() if arg.name == "indices" else a[arg.name]
+                  for arg in target._schema.arguments}
+        node = self.graph.call_function(target, (), kwargs)
+        node.meta["val"] = _fake_value(target, kwargs)
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         for key in ("ac_graph_id", "stack_trace", "nn_module_stack"):
             if key in self.select.meta:
@@ -175,8 +187,29 @@ def _save_selection(select: fx.Node) -> None:
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+def _needed_by_backward(select: fx.Node, bw: set[fx.Node]) -> bool:
+    """Whether the backward reads an output of ``select``, directly or through recomputed forward nodes."""
+    seen, todo = {select}, [select]
+    while todo:
+        for user in todo.pop().users:
+            if user in bw:
+                return True
+            if user not in seen and _must_recompute(user):
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def _where(node: fx.Node) -> str:
+    from .graph_ops import source_line
+
+    line = source_line(node)
+    return f"node {node.name}" if line == "<unknown>" else shown(line)
+
+
 def apply(graph: fx.Graph) -> int:
-    """Run selection replay on a joint graph; returns the number of select sites handled."""
+    """Run selection replay on a joint graph; returns the number of selection sites whose recomputation it
+    rewrote (the ``replay_applied`` counter)."""
     selects = [n for n in graph.nodes if _is_select(n)]
     if not selects:
         return 0
@@ -184,24 +217,65 @@ def apply(graph: fx.Graph) -> int:
 
     bw = _backward_nodes(graph)
     recomputing = any(_must_recompute(n) for n in graph.nodes)
-    handled = 0
+    applied = 0
     for select in selects:
         if select in bw:  # a select inside the backward (double backward): not ours to move
             continue
+        replayed = _must_recompute(select) and _needed_by_backward(select, bw)
         _save_selection(select)
-        if recomputing:
-            counters["hyscale"]["replay_rescore_nodes"] += _Replayer(graph, select, bw).run()
-        counters["hyscale"]["replay_applied"] += 1
-        handled += 1
+        rescores = _Replayer(graph, select, bw).run() if recomputing else 0
+        if replayed:
+            applied += 1
+            counters["hyscale"]["replay_applied"] += 1
+            how = "rescores the saved indices" if rescores else "reads the saved indices"
+            log.info("hyscale: replay: the backward %s of the selection at %s instead of selecting again",
+                     how, _where(select))
+        else:
+            log.debug("hyscale: replay: the selection at %s is not recomputed in the backward; its outputs are "
+                      "saved", _where(select))
     graph.lint()
-    return handled
+    return applied
+
+
+def run(graph: fx.Graph, debug_dir: str | None = None) -> int:
+    """``apply``, with the joint graph before and after written to the trace and to ``debug_dir``."""
+    if not any(_is_select(n) for n in graph.nodes):
+        return 0
+    wanted = bool(debug_dir) or debug.tracing()
+    before = debug.graph_text(graph) if wanted else ""
+    applied = apply(graph)
+    if wanted:
+        after = debug.graph_text(graph)
+        debug.dump_stages("replay", "joint", {"before": lambda: before, "after": lambda: after}, debug_dir)
+    return applied
+
+
+def counts_in_joint_graph(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` (a Dynamo graph) has a selection and a checkpointed region: its replay counters come
+    from the joint graph, which a hit in AOTAutograd's cache never builds."""
+    targets = {n.target for _, m in gm.named_modules() if isinstance(m, fx.GraphModule)
+               for n in m.graph.nodes if n.op == "call_function"}
+    selects = {torch.ops.hyscale.select, torch.ops.hyscale.select.default}  # by hand, or from the selection pass
+    return bool(selects & targets) and _checkpoint_op() in targets
+
+
+def _checkpoint_op() -> Any:
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint
+
+    return tag_activation_checkpoint
 
 
 class ReplayPass(CustomGraphPass):
-    """Inductor joint-graph pass object; ``uuid`` changes whenever our sources do (FX graph cache key)."""
+    """Inductor joint-graph pass object; ``uuid`` changes whenever our sources do (FX graph cache key).
+
+    ``debug_dir`` is not part of the key: a compile with a debug_dir does not use Inductor's caches.
+    """
+
+    def __init__(self, debug_dir: str | None = None):
+        self.debug_dir = debug_dir
 
     def __call__(self, graph: fx.Graph) -> None:
-        apply(graph)
+        run(graph, self.debug_dir)
 
     def uuid(self) -> Any:
         return get_hash_for_files(tuple(str(p) for p in _SOURCES))
@@ -237,11 +311,19 @@ def _flatten(p: Any) -> list[Any]:
     return [p]
 
 
-def inductor_config_patches(current: dict[str, Any]) -> dict[str, Any]:
-    """Inductor config patches that install the replay pass, chained after any pass already set."""
-    key = "joint_custom_pre_pass"
+def install_pass(current: dict[str, Any], key: str, new: Any,
+                 same: Callable[[Any], bool] | None = None) -> dict[str, Any]:
+    """Inductor config patches that put ``new`` at ``key``, chained after any pass already there (from
+    ``current`` patches or the config); an earlier pass for which ``same`` holds is replaced."""
     existing = current[key] if key in current else getattr(torch._inductor.config, key, None)
-    passes = [p for p in _flatten(existing) if not isinstance(p, ReplayPass)]
+    same = same or (lambda p: type(p) is type(new))
+    passes = [p for p in _flatten(existing) if not same(p)]
     if not passes:
-        return {key: ReplayPass()}
-    return {key: ChainedPass([*passes, ReplayPass()])}
+        return {key: new}
+    return {key: ChainedPass([*passes, new])}
+
+
+def inductor_config_patches(current: dict[str, Any], debug_dir: str | None = None) -> dict[str, Any]:
+    """Inductor config patches that install the replay pass, chained after any pass already set."""
+    return install_pass(current, "joint_custom_pre_pass", ReplayPass(debug_dir),
+                        same=lambda p: isinstance(p, ReplayPass))

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from . import debug, inplace, legality, masks, rewrite, sites
 from .graph_ops import dtype, named_arg, op_name, shape, source_line
 from .index_expr import Reject, Score, dim_size, interpret
-from .report import SiteReport, human_bytes, record, symbolic_bytes
+from .report import SiteReport, human_bytes, input_name, record, symbolic_bytes
 
 # Tests set HYSCALE_STRICT=1 so that an internal error fails loudly instead of skipping the site.
 STRICT = os.environ.get("HYSCALE_STRICT", "0") == "1"
@@ -28,8 +28,9 @@ STRICT = os.environ.get("HYSCALE_STRICT", "0") == "1"
 def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
     """Rewrite every provable site in ``gm`` and its subgraphs; return one report per top-k site."""
     reports: list[SiteReport] = []
+    dumping = bool(debug_dir) or debug.tracing()
     for name, sub in _graph_modules(gm):
-        before = sub.print_readable(print_output=False)
+        before = sub.print_readable(print_output=False) if dumping else ""
         found = [n for n in sub.graph.nodes if op_name(n) in sites.SELECTIONS]
         for node in found:
             if node.graph is sub.graph and (op_name(node) == "topk" or _sorted_descending(node)):
@@ -37,7 +38,8 @@ def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
         if any(r.decision == "rewritten" and r.graph == name for r in reports):
             sub.graph.lint()
             sub.recompile()
-        debug.dump(name, before, sub, debug_dir)
+        if dumping:
+            debug.dump(name, before, sub, debug_dir)
     return reports
 
 
@@ -60,18 +62,18 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         site = sites.find(node)
         report.k = str(site.k)
         sc = interpret(site.score_node, site.s_dim)
-        metadata_readers = legality.check_readers(site, sc)
-        legality.check_no_mutation_between(site, sc)
-        plan = masks.plan(sc)
-        legality.check_additive_order(sc, site.topk, [b for b in sc.bias if not any(b is p for p in plan.bias)])
-        cuts = legality.gradient_cuts(sc, site.score_node)
         _describe(report, site, sc)
         report.dense_scatter_bytes = sites.dense_scatter_bytes(site)
+        plan = masks.plan(sc)
+        report.mask_kind = plan.kind
+        metadata_readers = legality.check_readers(site, sc)
+        legality.check_no_mutation_between(site, sc)
+        legality.check_additive_order(sc, site.topk, [b for b in sc.bias if not any(b is p for p in plan.bias)])
+        cuts = legality.gradient_cuts(sc, site.score_node)
         # The op's unsorted order is that of atomic appends (not reproducible), so a model's own
         # sorted=False is not taken at its word: only a site where no order can matter goes unsorted.
         unsort = sites.order_free(site)
         site.sorted = not unsort
-        report.mask_kind = plan.kind
         rewrite.rewrite(gm, site, sc, plan, cuts, metadata_readers)
         report.decision = "rewritten"
         report.reason = "; ".join(_notes(site, sc, plan, report, unsort, cuts)) or "indexer form proven"
@@ -80,6 +82,8 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
     except Reject as err:
         undo()
         report.reason = err.reason
+        if err.graph_input is not None:
+            report.graph_input = input_name(err.graph_input)
     except Exception as err:  # a bug of ours must never break the user's compile: leave the site alone
         undo()
         if STRICT:
