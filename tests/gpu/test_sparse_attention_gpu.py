@@ -122,3 +122,17 @@ def test_op_under_inductor():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         fn(*leaves).backward()
     close(grads[0], [t.grad for t in leaves])
+
+
+def test_under_deterministic_algorithms():
+    """Nothing the kernels' host side calls (sort, scatter of a permutation, searchsorted) refuses
+    torch.use_deterministic_algorithms(True)."""
+    q, k, v, idx, picks, _ = problem("gqa", 4096, 64, seed=6)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        hyscale_compile.sparse_attention(*leaves, idx, query_offset=picks.offset, empty="mean").sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(bool(torch.isfinite(t.grad).all()) for t in leaves)
