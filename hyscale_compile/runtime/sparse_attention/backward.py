@@ -60,7 +60,7 @@ def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int) ->
     (dq's accumulator [64, 576] fp32 alone is 144 registers a thread at 8 warps; q and dout held twice in
     shared memory, as A and as B operand, exceed it): a dq pass (BK = 32) and a contribution pass (BK = 64,
     contributions stored CH columns at a time from reloaded q / dout chunks) each recompute p and ds.
-    ptxas for sm_90a, bf16: dq pass 255 registers, 28 bytes spilled, 176 KB shared; contribution pass 191
+    ptxas for sm_90a, bf16: dq pass 255 registers, 28 bytes spilled, 176 KB shared; contribution pass 255
     registers, no spill, 213 KB shared. fp32 (tf32x3): 16 heads a program, split at the MLA width, BK = 16
     (launchable, spilling: the model computes this layer in 16-bit). Not yet timed on the device."""
     BH, wide = common.head_block(HG, BDA + BDB + BDV, dtype, HEAD_BLOCK)
@@ -140,17 +140,17 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
         if DO_KV:
             place = tl.load(place_ptr + pid * K + k0 + tl.arange(0, BK), mask=ok, other=0).to(tl.int64)
             dst = contrib_ptr + ((place * NHB + hb) * G + g) * DC
-            dst_t = tl.trans(ds)
+            ds_t = tl.trans(ds)
             p_t = tl.trans(p.to(do.dtype))
             if CH == 0:  # whole tiles, q and dout as held
-                tl.store(dst[:, None] + ca[None, :], mm(dst_t, qa, PREC) * scale,
+                tl.store(dst[:, None] + ca[None, :], mm(ds_t, qa, PREC) * scale,
                          mask=ok[:, None] & (ca < DA)[None, :])
                 tl.store(dst[:, None] + Dqk + cv[None, :], mm(p_t, do, PREC), mask=ok[:, None] & (cv < Dv)[None, :])
             else:  # CH columns at a time, q and dout chunks reloaded (cache hits): bounds registers and shared memory
                 for c0 in tl.static_range(0, BDA, CH):
                     cc = c0 + tl.arange(0, CH)
                     qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
-                    tl.store(dst[:, None] + cc[None, :], mm(dst_t, qc, PREC) * scale,
+                    tl.store(dst[:, None] + cc[None, :], mm(ds_t, qc, PREC) * scale,
                              mask=ok[:, None] & (cc < DA)[None, :])
                 for c0 in tl.static_range(0, BDV, CH):
                     cc = c0 + tl.arange(0, CH)
@@ -158,7 +158,7 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
                     tl.store(dst[:, None] + Dqk + cc[None, :], mm(p_t, doc, PREC),
                              mask=ok[:, None] & (cc < Dv)[None, :])
             if BDB > 0:
-                tl.store(dst[:, None] + cb[None, :], mm(dst_t, qb, PREC) * scale,
+                tl.store(dst[:, None] + cb[None, :], mm(ds_t, qb, PREC) * scale,
                          mask=ok[:, None] & (cb < Dqk)[None, :])
     if DO_DQ:
         dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
