@@ -7,6 +7,7 @@ without writing the score table.
 from .backend import register_if_missing
 from .explain import ExplainReport, explain
 from .lowering.api import indexer_topk
+from .lowering.attention_api import sparse_attention as sparse_attention
 
 
 def _version() -> str:

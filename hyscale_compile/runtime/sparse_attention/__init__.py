@@ -1,0 +1,48 @@
+"""Sparse attention over the selected keys: each query attends to its k picks only.
+
+``naive`` is the contract as plain PyTorch (what runs on the CPU); ``forward`` / ``backward`` are the
+Triton kernels (CUDA). ``runtime.dispatch.force_backend("triton")`` runs the kernels on CPU tensors
+under TRITON_INTERPRET=1, and ``force_backend("reference")`` the reference on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .. import dispatch
+from . import naive
+from .naive import EMPTY_RULES, Picks, compute_dtype
+
+__all__ = ["EMPTY_RULES", "Picks", "attention", "attention_backward", "row_delta"]
+
+
+def _triton(t: Tensor) -> bool:
+    return dispatch.backend_for(t) == "triton"
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, picks: Picks,
+              empty: str) -> tuple[Tensor, Tensor]:
+    """(out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32)."""
+    if _triton(q):
+        from . import forward
+
+        return forward.forward(q, k, v, indices, scale, picks, empty)
+    return naive.forward(q, k, v, indices, scale, picks, empty)
+
+
+def row_delta(dout: Tensor, out: Tensor, dlse: Tensor | None) -> Tensor:
+    """[B, T, H] rowsum(dout * out) - dlse in fp32: the softmax backward's per-row term (an lse gradient
+    folds in here: d lse / d score = p)."""
+    ct = compute_dtype(dout)
+    delta = (dout.to(ct) * out.to(ct)).sum(-1)
+    return delta if dlse is None else delta - dlse.to(ct)
+
+
+def attention_backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, indices: Tensor,
+                       scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes; deterministic on every backend."""
+    if _triton(q):
+        from . import backward
+
+        return backward.backward(dout, delta, q, k, v, lse, indices, scale, picks, empty)
+    return naive.backward(dout, delta, q, k, v, lse, indices, scale, picks, empty)

@@ -1,0 +1,276 @@
+"""Triton backward of ``hyscale::sparse_attention``: dq, dk, dv through the kept picks only, deterministic.
+
+With p = exp(scale * q.k - lse), dp = dout . v and ds = p * (dp - delta) (delta = rowsum(dout * out) - dlse):
+
+    dq[t, h]  = scale * sum_j ds[h, j] k[s_j]             one query row's picks: summed by its program
+    dk[s]     = scale * sum_{(t, h) picking s} ds q[t, h]   many rows' picks: contributions + segments
+    dv[s]     =         sum_{(t, h) picking s} p  dout[t, h]
+
+Row kernel: one program per (query row, kv group, block of BH heads, slice of the row's picks), the
+forward's tiling: it recomputes S = q k^T of BK gathered rows, p, dp = dout v^T and ds, adds ds @ k to
+its dq (registers; written once, or as a slice partial the host sums in slice order) and writes the
+picks' dk / dv contributions ds^T q and p^T dout ([BK, Dqk + Dv] fp32 per kv group and head block) to a
+buffer, each at the pick's place in the stable order of the picks by key (the CSR a sort of the chunk's
+keys gives). Segment kernel: each key that a chunk picks adds its contiguous run of contributions in that
+fixed order (and the head blocks in order) to an fp32 accumulator, once per chunk, chunks in order. No
+float atomics: the same inputs give the same bits, run after run. Dropped picks (out of range, not
+visible) write nothing and sort after every key.
+
+Extra memory: the contribution buffer, at most CONTRIB_BYTES (query rows go in chunks under it; a per-pick
+buffer for all rows would be T * K * (Dqk + Dv) * 4 bytes, 1.2 TB for the MLA layer at T = 65536,
+K = 2048), its sort (about 20 bytes a pick of one chunk), the fp32 accumulator of dk and dv
+[B, S, G, Dqk + Dv], and the dq partials when a row's picks are split into slices.
+
+In the MLA latent layout v aliases k's first Dv features: the row kernel reads a gathered row once (its
+A block is the value row), and still writes dk and dv apart, so autograd adds dv into k's gradient through
+the view (and a gradient with respect to v alone stays right).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import common
+from .common import LOG2E_C, causal_limit, load_picks, load_rows, mm  # used inside the kernels
+from .naive import Picks, add_mean_grad
+
+# Upper bound on the contribution buffer of one chunk of query rows.
+CONTRIB_BYTES = 1 << 30
+# Tuning knobs (None: the rule in ``passes``).
+HEAD_BLOCK = 64
+PICKS: int | None = None
+WARPS: int | None = None
+STAGES: int | None = None
+SPLIT: bool | None = None  # dq and the contributions in two passes (None: where a program's tiles are wide)
+CHUNK = 64  # contribution columns per store in the second pass of a split
+# Programs per SM to aim for by splitting each row's picks into slices (0: one slice per row).
+PROGRAMS_PER_SM = 4
+SEGMENT_KEYS = 16  # sorted picks per program of the segment kernel
+SEGMENT_COLS = 256  # contribution columns per program of the segment kernel
+
+
+def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int) -> tuple[int, list[tuple]]:
+    """(BH, row kernel passes), a pass being (DO_DQ, DO_KV, BK, CH, warps, stages).
+
+    One fused pass where a program's tiles are narrow (GQA / MHA head dims: no spills on sm_90 at BK = 32,
+    4 warps). Wide tiles (the MLA layer: 64 heads x 576 + 512 features) do not fit one program on sm_90
+    (dq's accumulator [64, 576] fp32 alone is 144 registers a thread at 8 warps; q and dout held twice in
+    shared memory, as A and as B operand, exceed it): a dq pass (BK = 32) and a contribution pass (BK = 64,
+    contributions stored CH columns at a time from reloaded q / dout chunks) each recompute p and ds.
+    ptxas for sm_90a, bf16: dq pass 255 registers, 28 bytes spilled, 176 KB shared; contribution pass 255
+    registers, no spill, 213 KB shared. fp32 (tf32x3): 16 heads a program, split at the MLA width, BK = 16
+    (launchable, spilling: the model computes this layer in 16-bit). Not yet timed on the device."""
+    BH, wide = common.head_block(HG, BDA + BDB + BDV, dtype, HEAD_BLOCK)
+    split = wide if SPLIT is None else SPLIT
+    warps, stages = WARPS or (8 if wide and dtype != torch.float32 else 4), STAGES or 1
+    fp32 = dtype == torch.float32
+
+    def bk(n: int) -> int:
+        return min(PICKS or n, common.pow2(K))
+
+    if not split:
+        return BH, [(True, True, bk(32), 0, warps, stages)]
+    return BH, [(True, False, bk(16 if fp32 else 32), 0, warps, stages),
+                (False, True, bk(16 if fp32 else 64), min(CHUNK, BDA, BDV), warps, stages)]
+
+
+@triton.jit
+def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_ptr, km_ptr, place_ptr, dq_ptr,
+                contrib_ptr, B, T, S, K, H, HG, NHB, G, Dqk, Dv, offset, scale, scale_log2,
+                sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, sdo_b, sdo_t, sdo_h, skm_b, skm_s,
+                t0, R, slice_picks, dq_T, dq_t0,
+                CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, ALIAS: tl.constexpr,
+                PREC: tl.constexpr, DA: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
+                BH: tl.constexpr, BK: tl.constexpr, DO_DQ: tl.constexpr, DO_KV: tl.constexpr, CH: tl.constexpr):
+    # pid 0 = b * R + r: row t = t0 + r of the chunk; pid 1 = g * NHB + head block; pid 2 = slice of picks.
+    pid = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) // NHB
+    hb = tl.program_id(1) % NHB
+    part = tl.program_id(2).to(tl.int64)
+    b = pid // R
+    t = t0 + pid % R
+    row = b * T + t
+    hl = hb * BH + tl.arange(0, BH)
+    hmask = hl < HG
+    h = (g * HG + hl).to(tl.int64)
+    ca = tl.arange(0, BDA)
+    cv = tl.arange(0, BDV)
+    q_row = q_ptr + b * sq_b + t * sq_t + h[:, None] * sq_h
+    qa = tl.load(q_row + ca[None, :], mask=hmask[:, None] & (ca < DA)[None, :], other=0.0)
+    if BDB > 0:
+        cb = DA + tl.arange(0, BDB)
+        qb = tl.load(q_row + cb[None, :], mask=hmask[:, None] & (cb < Dqk)[None, :], other=0.0)
+        if DO_DQ:
+            dqb = tl.zeros((BH, BDB), tl.float32)
+    do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
+    do = tl.load(do_row + cv[None, :], mask=hmask[:, None] & (cv < Dv)[None, :], other=0.0)
+    lse2 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0) * LOG2E_C
+    delta = tl.load(delta_ptr + row * H + h, mask=hmask, other=0.0)
+    if DO_DQ:
+        dqa = tl.zeros((BH, BDA), tl.float32)
+    k_base = k_ptr + b * sk_b + g * sk_g
+    v_base = v_ptr + b * sv_b + g * sv_g
+    idx_row = idx_ptr + row * K
+    km_row = km_ptr + b * skm_b
+    lim = causal_limit(t, offset, offs_ptr, b, HAS_OFFS)
+    DC = Dqk + Dv
+    j_lo = part * slice_picks
+    j_hi = tl.minimum(j_lo + slice_picks, K)
+    for k0 in range(j_lo, j_hi, BK):
+        ids, ok = load_picks(idx_row, k0, j_hi, S, lim, km_row, skm_s, CAUSAL, HAS_KM, BK)
+        ka = load_rows(k_base, ids, ok, sk_s, ca, DA)
+        s = mm(qa, tl.trans(ka), PREC)
+        if BDB > 0:
+            kb = load_rows(k_base, ids, ok, sk_s, cb, Dqk)
+            s += mm(qb, tl.trans(kb), PREC)
+        p = tl.where(ok[None, :] & hmask[:, None], tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        if ALIAS:
+            vt = ka
+        else:
+            vt = load_rows(v_base, ids, ok, sv_s, cv, Dv)
+        dp = mm(do, tl.trans(vt), PREC)
+        ds = (p * (dp - delta[:, None])).to(ka.dtype)  # 16-bit operands: ds in their dtype, as flash-attention
+        if DO_DQ:
+            dqa += mm(ds, ka, PREC)
+            if BDB > 0:
+                dqb += mm(ds, kb, PREC)
+        if DO_KV:
+            place = tl.load(place_ptr + pid * K + k0 + tl.arange(0, BK), mask=ok, other=0).to(tl.int64)
+            dst = contrib_ptr + ((place * NHB + hb) * G + g) * DC
+            ds_t = tl.trans(ds)
+            p_t = tl.trans(p.to(do.dtype))
+            if CH == 0:  # whole tiles, q and dout as held
+                tl.store(dst[:, None] + ca[None, :], mm(ds_t, qa, PREC) * scale,
+                         mask=ok[:, None] & (ca < DA)[None, :])
+                tl.store(dst[:, None] + Dqk + cv[None, :], mm(p_t, do, PREC), mask=ok[:, None] & (cv < Dv)[None, :])
+            else:  # CH columns at a time, q and dout chunks reloaded (cache hits): bounds registers and shared memory
+                for c0 in tl.static_range(0, BDA, CH):
+                    cc = c0 + tl.arange(0, CH)
+                    qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
+                    tl.store(dst[:, None] + cc[None, :], mm(ds_t, qc, PREC) * scale,
+                             mask=ok[:, None] & (cc < DA)[None, :])
+                for c0 in tl.static_range(0, BDV, CH):
+                    cc = c0 + tl.arange(0, CH)
+                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+                    tl.store(dst[:, None] + Dqk + cc[None, :], mm(p_t, doc, PREC),
+                             mask=ok[:, None] & (cc < Dv)[None, :])
+            if BDB > 0:
+                tl.store(dst[:, None] + cb[None, :], mm(ds_t, qb, PREC) * scale,
+                         mask=ok[:, None] & (cb < Dqk)[None, :])
+    if DO_DQ:
+        dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
+        tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], dqa * scale,
+                 mask=hmask[:, None] & (ca < DA)[None, :])
+        if BDB > 0:
+            tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], dqb * scale,
+                     mask=hmask[:, None] & (cb < Dqk)[None, :])
+
+
+@triton.jit
+def _segment_kernel(contrib_ptr, keys_ptr, ends_ptr, acc_ptr, n, n_keys, W, NHB,
+                    BKEY: tl.constexpr, BC: tl.constexpr):
+    # BKEY sorted positions per program; a position that starts its key's run owns the key and adds the
+    # run [i, ends[i]) of contributions in order (each head block in order), then stores the key's sum.
+    i = tl.program_id(0).to(tl.int64) * BKEY + tl.arange(0, BKEY)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    inside = i < n
+    key = tl.load(keys_ptr + i, mask=inside, other=n_keys).to(tl.int64)
+    prev = tl.load(keys_ptr + i - 1, mask=inside & (i > 0), other=-1).to(tl.int64)
+    own = inside & (key != prev) & (key < n_keys)
+    count = tl.where(own, tl.load(ends_ptr + i, mask=own, other=0).to(tl.int64) - i, 0)
+    tile = own[:, None] & (c < W)[None, :]
+    acc = tl.load(acc_ptr + key[:, None] * W + c[None, :], mask=tile, other=0.0)
+    n_max = tl.max(count, axis=0)
+    j = 0
+    while j < n_max:
+        more = tile & (j < count)[:, None]
+        for hb in range(0, NHB):
+            acc += tl.load(contrib_ptr + ((i + j) * NHB + hb)[:, None] * W + c[None, :], mask=more, other=0.0)
+        j += 1
+    tl.store(acc_ptr + key[:, None] * W + c[None, :], acc, mask=tile)
+
+
+def pick_order(idx: Tensor, t0: int, S: int, picks: Picks) -> tuple[Tensor, Tensor, Tensor]:
+    """For the picks idx [B, R, K] of rows t0..: (each pick's place in the stable order by key b * S + s,
+    the sorted keys, the end of each sorted position's run); dropped picks get key B * S, after all."""
+    B, R, K = idx.shape
+    n_keys = B * S
+    kdt = torch.int32 if n_keys < 2**31 - 1 else torch.int64
+    base = (torch.arange(B, device=idx.device, dtype=kdt) * S).view(B, 1, 1)
+    keys = torch.where(picks.kept(idx, t0, S), idx.to(kdt) + base, n_keys).reshape(-1)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    small = keys.numel() < 2**31
+    place = torch.empty_like(perm, dtype=torch.int32 if small else torch.int64)
+    place.scatter_(0, perm, torch.arange(keys.numel(), device=idx.device, dtype=place.dtype))
+    ends = torch.searchsorted(sorted_keys, sorted_keys, right=True, out_int32=small)
+    return place, sorted_keys, ends
+
+
+def _slices(programs: int, K: int, BK: int, device: torch.device) -> int:
+    """Slices per row so that the chunk's programs reach PROGRAMS_PER_SM a SM (1 on the CPU)."""
+    if device.type != "cuda" or PROGRAMS_PER_SM <= 0:
+        return 1
+    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(K, BK), triton.cdiv(target, programs)))
+
+
+def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, indices: Tensor,
+             scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes (contract: ``naive.backward``)."""
+    B, T, H, Dqk = q.shape
+    S, G, Dv, K = k.shape[1], k.shape[2], v.shape[3], indices.shape[-1]
+    DC = Dqk + Dv
+    dq = torch.zeros(B, T, H, Dqk, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(B * S, G * DC, dtype=torch.float32, device=q.device)
+    if B * T * H > 0 and K > 0 and S > 0:
+        _run(dout, delta, q, k, v, lse, indices, scale, picks, dq, acc)
+    dkv = acc.view(B, S, G, DC)
+    dk, dv = dkv[..., :Dqk], dkv[..., Dqk:]
+    if empty == "mean":
+        add_mean_grad(dv, dout, lse)
+    return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, acc: Tensor) -> None:
+    B, T, H, Dqk = q.shape
+    S, G, Dv, K = k.shape[1], k.shape[2], v.shape[3], indices.shape[-1]
+    HG, W = H // G, acc.shape[1]
+    q, k, v, dout = (common.last_dim_unit(t) for t in (q, k, v, dout))
+    alias = common.aliases(k, v)
+    DA, BDA, BDB, BDV = common.split(Dqk, Dv, alias)
+    BH, launches = passes(HG, BDA, BDB, BDV, q.dtype, K)
+    NHB = triton.cdiv(HG, BH)
+    step = max(launch[2] for launch in launches)  # slices are a multiple of every pass's BK (powers of two)
+    rows = max(1, min(T, CONTRIB_BYTES // (B * K * NHB * W * 4)))
+    contrib = torch.empty(B * rows * K * NHB * W, dtype=torch.float32, device=q.device)
+    idx = indices.contiguous()
+    lse, delta = lse.float().contiguous(), delta.float().contiguous()
+    offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
+    km = picks.key_mask.view(torch.uint8) if picks.key_mask is not None else idx
+    km_strides = km.stride() if picks.key_mask is not None else (0, 0)
+    prec = common.mma_precision(q.dtype)
+    for t0 in range(0, T, rows):
+        R = min(rows, T - t0)
+        place, keys, ends = pick_order(idx[:, t0:t0 + R], t0, S, picks)
+        P = _slices(B * R * G * NHB, K, step, q.device)
+        slice_picks = triton.cdiv(triton.cdiv(K, P), step) * step
+        P = triton.cdiv(K, slice_picks)
+        dq_out, dq_T, dq_t0 = dq, T, 0
+        if P > 1:
+            dq_out, dq_T, dq_t0 = torch.empty(P, B, R, H, Dqk, dtype=torch.float32, device=q.device), R, t0
+        for do_dq, do_kv, BK, CH, warps, stages in launches:
+            _row_kernel[(B * R, G * NHB, P)](
+                q, k, v, dout, lse, delta, idx, offs, km, place, dq_out, contrib, B, T, S, K, H, HG, NHB, G, Dqk,
+                Dv, int(picks.offset), float(scale), float(scale) * common.LOG2E, *q.stride()[:3], *k.stride()[:3],
+                *v.stride()[:3], *dout.stride()[:3], *km_strides, t0, R, slice_picks, dq_T, dq_t0,
+                CAUSAL=bool(picks.causal), HAS_OFFS=picks.offsets is not None, HAS_KM=picks.key_mask is not None,
+                ALIAS=alias, PREC=prec, DA=DA, BDA=BDA, BDB=BDB, BDV=BDV, BH=BH, BK=BK, DO_DQ=do_dq, DO_KV=do_kv,
+                CH=CH, num_warps=warps, num_stages=stages)
+        if P > 1:
+            dq[:, t0:t0 + R] = dq_out.sum(0)
+        n = keys.numel()
+        _segment_kernel[(triton.cdiv(n, SEGMENT_KEYS), triton.cdiv(W, SEGMENT_COLS))](
+            contrib, keys, ends, acc, n, B * S, W, NHB, BKEY=SEGMENT_KEYS, BC=SEGMENT_COLS)

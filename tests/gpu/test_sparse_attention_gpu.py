@@ -1,0 +1,138 @@
+"""Sparse attention kernels on a CUDA device at real sizes (skipped without one): the MLA latent layer
+(H = 128, Dqk = 576, v = k[..., :512], k = 2048), GQA and HF's expanded MHA, rows with few visible keys,
+against dense masked attention and the reference; bitwise repeatability; torch.compile (Inductor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sparse_attention_cases import dense_attention, finite
+
+import hyscale_compile
+from hyscale_compile.runtime import dispatch
+from hyscale_compile.runtime import sparse_attention as sa
+from hyscale_compile.runtime.sparse_attention import Picks, backward, forward, naive
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# name -> (H, G, Dqk, Dv, alias)
+LAYOUTS = {"mla": (128, 1, 576, 512, True), "gqa": (32, 8, 128, 128, False), "mha": (16, 16, 192, 128, False)}
+
+
+def problem(layout, S, T, K=2048, offset=None, early=False, key_mask=False, dtype=torch.bfloat16, seed=0):
+    """Queries at the end of an S-key context (offset S - T) unless ``early`` (offset 0: row t sees t + 1
+    keys, fewer than K, and most picks are not visible, as a top-k over masked scores returns them).
+    Picks are the top K of random scores over all S keys (distinct, in range)."""
+    H, G, Dqk, Dv, alias = LAYOUTS[layout]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, H, Dqk, device="cuda", generator=g).to(dtype)
+    k = torch.randn(1, S, G, Dqk, device="cuda", generator=g).to(dtype)
+    v = k[..., :Dv] if alias else torch.randn(1, S, G, Dv, device="cuda", generator=g).to(dtype)
+    off = 0 if early else S - T
+    score = torch.rand(1, T, S, device="cuda", generator=g)
+    if not early:  # late rows pick among their visible keys, as a top-k over causally masked scores
+        score = score.masked_fill(torch.arange(S, device="cuda") > torch.arange(T, device="cuda")[:, None] + off, -1)
+    idx = score.topk(K, dim=-1).indices.to(torch.int32)
+    mask = torch.rand(1, S, device="cuda", generator=g) > 0.3 if key_mask else None
+    dout = torch.randn(1, T, H, Dv, device="cuda", generator=g).to(dtype)
+    return q, k, v, idx, Picks(causal=True, offset=off, key_mask=mask), dout
+
+
+def run(impl, q, k, v, idx, picks, dout, empty="zero", scale=0.1):
+    fwd = forward.forward if impl == "triton" else naive.forward
+    bwd = backward.backward if impl == "triton" else naive.backward
+    out, lse = fwd(q, k, v, idx, scale, picks, empty)
+    dq, dk, dv = bwd(dout, sa.row_delta(dout, out, None), q, k, v, lse, idx, scale, picks, empty)
+    return out, lse, dq, dk, dv
+
+
+def close(got, want, tol=2e-2):
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        b = finite(b).float()
+        torch.testing.assert_close(finite(a).float(), b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("layout,S,T", [("mla", 8192, 256), ("mla", 32768, 128), ("gqa", 16384, 512),
+                                        ("mha", 16384, 256)])
+def test_against_reference(layout, S, T):
+    args = problem(layout, S, T, seed=S + T)
+    got = run("triton", *args)
+    close(got, run("naive", *args))
+    again = run("triton", *args)
+    for a, b in zip(got, again):  # deterministic: the same bits, run after run
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["mla", "gqa"])
+def test_forward_against_dense_masked_attention(layout):
+    """Dense attention over all S keys under (index mask AND causal), fp32 from the same bf16 inputs."""
+    q, k, v, idx, picks, _ = problem(layout, 8192, 128, seed=1)
+    out, lse = forward.forward(q, k, v, idx, 0.1, picks, "zero")
+    want_out, want_lse = dense_attention(q.float(), k.float(), v.float(), idx, 0.1, picks.offset)
+    close((out, lse), (want_out, want_lse))
+
+
+@pytest.mark.parametrize("layout,empty", [("mla", "zero"), ("mla", "mean"), ("gqa", "mean"), ("mha", "zero")])
+def test_rows_with_few_visible_keys(layout, empty):
+    """offset 0: row t sees t + 1 keys, so most of its 2048 picks are dropped (rows with 1, 2, ... visible),
+    and a padding mask empties some rows entirely."""
+    args = problem(layout, 4096, 96, early=True, key_mask=True, seed=2)
+    got = run("triton", *args, empty=empty)
+    assert bool(torch.isinf(got[1]).any()) and bool(torch.isfinite(got[1]).any())
+    close(got, run("naive", *args, empty=empty))
+
+
+def test_alias_and_copy_agree_and_chunks_keep_bits(monkeypatch):
+    """MLA: v = k[..., :512] (one read per gathered row) and a copy of v give the same bits; dk / dv keep
+    their bits when the rows go in several contribution chunks."""
+    q, k, v, idx, picks, dout = problem("mla", 8192, 64, seed=3)
+    aliased = run("triton", q, k, v, idx, picks, dout)
+    for a, b in zip(aliased, run("triton", q, k, v.clone(), idx, picks, dout)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(backward, "PROGRAMS_PER_SM", 0)  # one slice a row: dq's bits do not depend on the chunk
+    whole = run("triton", q, k, v, idx, picks, dout)
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 5 * 2048 * 2 * 1088 * 4)  # 5 rows a chunk, 2 head blocks
+    for a, b in zip(run("triton", q, k, v, idx, picks, dout), whole):
+        assert torch.equal(a, b)
+
+
+def test_fp32_inputs():
+    args = problem("gqa", 4096, 128, dtype=torch.float32, seed=4)
+    close(run("triton", *args), run("naive", *args), tol=1e-4)
+
+
+def test_op_under_inductor():
+    q, k, v, idx, picks, dout = problem("gqa", 4096, 128, seed=5)
+
+    def fn(q, k, v):
+        out, lse = hyscale_compile.sparse_attention(q, k, v, idx, scale=0.1, query_offset=picks.offset,
+                                                    return_lse=True)
+        return out.float().square().sum() + finite(lse).sum()
+
+    compiled = torch.compile(fn)
+    grads = []
+    for f in (fn, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        f(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    close(grads[1], grads[0], tol=1e-3)  # the same op; only the loss's elementwise gradient is Inductor's
+    with dispatch.force_backend("reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves).backward()
+    close(grads[0], [t.grad for t in leaves])
+
+
+def test_under_deterministic_algorithms():
+    """Nothing the kernels' host side calls (sort, scatter of a permutation, searchsorted) refuses
+    torch.use_deterministic_algorithms(True)."""
+    q, k, v, idx, picks, _ = problem("gqa", 4096, 64, seed=6)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        hyscale_compile.sparse_attention(*leaves, idx, query_offset=picks.offset, empty="mean").sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(bool(torch.isfinite(t.grad).all()) for t in leaves)

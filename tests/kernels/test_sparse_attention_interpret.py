@@ -1,0 +1,148 @@
+"""Triton sparse attention (forward and backward) against the reference: in the interpreter on the CPU,
+natively on a GPU. Tiny sizes; bitwise repeatability; chunks, slices, split passes and head blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sparse_attention_cases import CASES, Case, finite, make
+
+import hyscale_compile
+from hyscale_compile.runtime import dispatch
+from hyscale_compile.runtime import sparse_attention as sa
+from hyscale_compile.runtime.sparse_attention import Picks, backward, common, forward, naive
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _picks(offset, key_mask) -> Picks:
+    if isinstance(offset, torch.Tensor):
+        return Picks(causal=True, offsets=offset, key_mask=key_mask)
+    return Picks(causal=offset is not None, offset=offset or 0, key_mask=key_mask)
+
+
+def _problem(case: Case, dtype=torch.float32, seed=0):
+    q, k, v, idx, offset, key_mask = make(case, dtype=dtype, device=DEVICE, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(q.shape[:3] + (case.Dv,), generator=g).to(DEVICE, dtype)
+    return q, k, v, idx, _picks(offset, key_mask), dout
+
+
+def _run(impl, q, k, v, idx, picks, dout, empty="zero", scale=0.4):
+    fwd = forward.forward if impl == "triton" else naive.forward
+    bwd = backward.backward if impl == "triton" else naive.backward
+    out, lse = fwd(q, k, v, idx, scale, picks, empty)
+    delta = sa.row_delta(dout, out, None)
+    return (out, lse) + tuple(bwd(dout, delta, q, k, v, lse, idx, scale, picks, empty))
+
+
+def _close(got, want, tol):
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(finite(a).double(), finite(b).double(), rtol=tol, atol=tol)
+
+
+def _same(got, want):
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name,empty", [(name, "zero") for name in sorted(CASES)]
+                         + [(name, "mean") for name in ("causal_few", "gqa", "mla")])
+def test_triton_matches_reference(name, empty):
+    q, k, v, idx, picks, dout = _problem(CASES[name])
+    want = _run("naive", q, k, v, idx, picks, dout, empty)
+    got = _run("triton", q, k, v, idx, picks, dout, empty)
+    _close(got, want, 2e-5)
+    if name in ("causal_few", "mla"):
+        _same(got, _run("triton", q, k, v, idx, picks, dout, empty))  # the same bits, run after run
+
+
+def test_alias_detected_and_same_bits_as_a_copy():
+    """v = k[..., :Dv] reads each gathered row once; a copy of v takes the general path with the same split
+    (576 -> 512 + 64 there, 24 -> 16 + 8 here), so every output has the same bits."""
+    q, k, v, idx, picks, dout = _problem(CASES["mla"])
+    assert common.aliases(k, v) and not common.aliases(k, v.clone()) and not common.aliases(k, k[..., 1:17])
+    assert common.split(24, 16, True) == common.split(24, 16, False) == (16, 16, 16, 16)
+    assert common.split(576, 512, True)[:3] == (512, 512, 64)
+    _same(_run("triton", q, k, v, idx, picks, dout), _run("triton", q, k, v.clone(), idx, picks, dout))
+
+
+def test_rows_chunked_sliced_and_split(monkeypatch):
+    """Rows in chunks (contribution buffer of 2 rows: 2, 2, 1), picks in slices (16 + 8), dq and contributions
+    in two passes with 16-column chunks: dk / dv keep their bits (each key adds its picks in (row, pick)
+    order whatever the chunks), dq differs by the slice sums' rounding only."""
+    case = Case(T=5, K=24, S=37, H=4, G=2, Dqk=40, Dv=32, offset=30)
+    q, k, v, idx, picks, dout = _problem(case, seed=3)
+    monkeypatch.setattr(backward, "PICKS", 16)
+    whole = _run("triton", q, k, v, idx, picks, dout)
+    _close(whole, _run("naive", q, k, v, idx, picks, dout), 2e-5)
+    width = 2 * 2 * (40 + 32)  # B * G * (Dqk + Dv)
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 2 * 24 * width * 4)
+    chunked = _run("triton", q, k, v, idx, picks, dout)
+    _same(chunked, whole)
+    monkeypatch.setattr(backward, "_slices", lambda programs, K, BK, device: 3)
+    sliced = _run("triton", q, k, v, idx, picks, dout)
+    _same(sliced[:2] + sliced[3:], whole[:2] + whole[3:])
+    _close(sliced[2:3], whole[2:3], 1e-6)
+    monkeypatch.setattr(backward, "SPLIT", True)
+    monkeypatch.setattr(backward, "CHUNK", 16)
+    assert backward.passes(2, 32, 8, 32, torch.float32, 24)[1][1][:4] == (False, True, 16, 16)
+    _close(_run("triton", q, k, v, idx, picks, dout), whole, 1e-6)
+
+
+def test_several_head_blocks(monkeypatch):
+    """32 heads a group in blocks of 16: two programs per (row, group); their contributions add per key."""
+    monkeypatch.setattr(forward, "HEAD_BLOCK", 16)
+    monkeypatch.setattr(backward, "HEAD_BLOCK", 16)
+    case = Case(B=1, T=3, H=64, G=2, Dqk=16, Dv=16, S=11, K=5, offset=8)
+    q, k, v, idx, picks, dout = _problem(case, seed=4)
+    for empty in ("zero", "mean"):
+        _close(_run("triton", q, k, v, idx, picks, dout, empty), _run("naive", q, k, v, idx, picks, dout, empty),
+               2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_inputs(dtype):
+    """16-bit q, k, v: fp32 accumulation and softmax, p and ds rounded to the input dtype for their MMAs."""
+    q, k, v, idx, picks, dout = _problem(CASES["gqa"], dtype=dtype)
+    got = _run("triton", q, k, v, idx, picks, dout)
+    want = _run("naive", q.float(), k.float(), v.float(), idx, picks, dout.float())
+    for a, b in zip(got, want):
+        assert a.dtype == (torch.float32 if a.dim() == 3 else dtype)
+        b = finite(b).float()
+        torch.testing.assert_close(finite(a).float(), b, rtol=3e-2, atol=3e-2 * max(1.0, b.abs().max().item()))
+
+
+def test_strided_inputs_and_no_picks():
+    """q a transposed view, k and v broadcast over the batch (stride 0), key_mask broadcast too; K = 0."""
+    case = CASES["key_mask"]
+    q, k, v, idx, picks, dout = _problem(case, seed=6)
+    qt = q.transpose(0, 1).contiguous().transpose(0, 1)
+    kb, vb = k[:1].expand_as(k), v[:1].expand_as(v)
+    mask = picks.key_mask[:1].expand_as(picks.key_mask)
+    strided = Picks(causal=True, offset=picks.offset, key_mask=mask)
+    _close(_run("triton", qt, kb, vb, idx, strided, dout),
+           _run("naive", q, kb.contiguous(), vb.contiguous(), idx, strided, dout), 2e-5)
+    none = idx[..., :0]
+    for empty in ("zero", "mean"):
+        _close(_run("triton", q, k, v, none, picks, dout, empty), _run("naive", q, k, v, none, picks, dout, empty),
+               1e-6)
+
+
+def test_op_autograd_on_the_kernels():
+    """The op's autograd on the Triton kernels (forced on the CPU) matches the reference's, aliasing and an
+    lse gradient included."""
+    case = CASES["mla"]
+    q, k, _, idx, picks, dout = _problem(case, seed=7)
+    glse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    results = []
+    for backend in ("triton", "reference"):
+        qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
+        with dispatch.force_backend(backend):
+            out, lse = hyscale_compile.sparse_attention(qa, ka, ka[..., :case.Dv], idx, scale=0.4,
+                                                        query_offset=picks.offset, return_lse=True, empty="mean")
+            ((out * dout).sum() + (finite(lse) * glse).sum()).backward()
+        results.append((out, lse, qa.grad, ka.grad))
+    _close(*results, 2e-5)
