@@ -92,13 +92,13 @@ class GoldenGraphs(TestCase):
     def test_glm_dsa(self):
         self.assertExpectedInline(self.golden("glm_dsa"), """\
 .unsqueeze(in, 0)
-hyscale.select(q=in, kx=in, weights=in, k=4, scale=0.25, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=.unsqueeze, bias=None, fill=-inf, sorted=True, causal_additive=False)
+hyscale.select(q=in, kx=in, weights=in, k=4, scale=0.25, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=.unsqueeze, bias=None, fill=-inf, sorted=True, causal_additive=False, low_precision_grad=False)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
 
     def test_deepseek_v32(self):
         self.assertExpectedInline(self.golden("deepseek_v32"), """\
-hyscale.select(q=in, kx=in, weights=in, k=4, scale=0.25, relu=True, causal=True, offset=3, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=True)
+hyscale.select(q=in, kx=in, weights=in, k=4, scale=0.25, relu=True, causal=True, offset=3, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=True, low_precision_grad=False)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
 
@@ -106,7 +106,7 @@ getitem(hyscale.select, 1)""")
         self.assertExpectedInline(self.golden("weighted_sum"), """\
 getitem(in, [Ellipsis, None])
 .squeeze(getitem, 3)
-hyscale.select(q=in, kx=in, weights=.squeeze, k=4, scale=1, relu=True, causal=True, offset=3, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=False)
+hyscale.select(q=in, kx=in, weights=.squeeze, k=4, scale=1, relu=True, causal=True, offset=3, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=False, low_precision_grad=False)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
 
@@ -115,13 +115,13 @@ getitem(hyscale.select, 1)""")
 mul(in, 0.25)
 getitem(mul, [Ellipsis, None])
 .squeeze(getitem, 3)
-hyscale.select(q=in, kx=in, weights=.squeeze, k=4, scale=1, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=None, bias=in, fill=-inf, sorted=True, causal_additive=False)
+hyscale.select(q=in, kx=in, weights=.squeeze, k=4, scale=1, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=None, bias=in, fill=-inf, sorted=True, causal_additive=False, low_precision_grad=False)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
 
     def test_scale_after_sum(self):
         self.assertExpectedInline(self.golden("scale_after_sum"), """\
-hyscale.select(q=in, kx=in, weights=in, k=4, scale=0.25, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=False)
+hyscale.select(q=in, kx=in, weights=in, k=4, scale=0.25, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=False, low_precision_grad=False)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)
 .to(getitem, torch.int32)""")
@@ -130,7 +130,7 @@ getitem(hyscale.select, 1)
         self.assertExpectedInline(self.golden("ellipsis_clamp"), """\
 getitem(in, [Ellipsis, None])
 .squeeze(getitem, 3)
-hyscale.select(q=in, kx=in, weights=.squeeze, k=4, scale=0.25, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=False)
+hyscale.select(q=in, kx=in, weights=.squeeze, k=4, scale=0.25, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=False, low_precision_grad=False)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
 
@@ -148,7 +148,7 @@ getitem(in, [slice(None, None, None), slice(None, None, None), None, slice(None,
 .unsqueeze(.squeeze, 2)
 .expand(.unsqueeze, 2, 3, -1, -1)
 .flatten(.expand, 0, 1)
-hyscale.select(q=.flatten, kx=.flatten, weights=.flatten, k=4, scale=1, relu=True, causal=True, offset=3, offsets=None, starts=None, ends=None, mask=.flatten, bias=None, fill=-inf, sorted=True, causal_additive=False)
+hyscale.select(q=.flatten, kx=.flatten, weights=.flatten, k=4, scale=1, relu=True, causal=True, offset=3, offsets=None, starts=None, ends=None, mask=.flatten, bias=None, fill=-inf, sorted=True, causal_additive=False, low_precision_grad=False)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)
 .unflatten(getitem, 0, [2, 3])
@@ -161,14 +161,14 @@ getitem(in, [Ellipsis, None])
 .squeeze(.to, 3)
 .float(.squeeze)
 .unsqueeze(in, 0)
-hyscale.select(q=in, kx=in, weights=.float, k=4, scale=1, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=.unsqueeze, bias=None, fill=-inf, sorted=True, causal_additive=False)
+hyscale.select(q=in, kx=in, weights=.float, k=4, scale=1, relu=True, causal=False, offset=0, offsets=None, starts=None, ends=None, mask=.unsqueeze, bias=None, fill=-inf, sorted=True, causal_additive=False, low_precision_grad=True)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)
 .to(getitem, torch.bfloat16)""")
 
     def test_scale_before_relu(self):
         self.assertExpectedInline(self.golden("scale_before_relu"), """\
-hyscale.select(q=in, kx=in, weights=None, k=4, scale=0.125, relu=True, causal=True, offset=3, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=False)
+hyscale.select(q=in, kx=in, weights=None, k=4, scale=0.125, relu=True, causal=True, offset=3, offsets=None, starts=None, ends=None, mask=None, bias=None, fill=-inf, sorted=True, causal_additive=False, low_precision_grad=False)
 getitem(hyscale.select, 0)
 getitem(hyscale.select, 1)""")
 

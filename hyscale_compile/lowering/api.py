@@ -11,7 +11,7 @@ from . import ops  # noqa: F401  (registers torch.ops.hyscale.*)
 def indexer_topk(q: Tensor, kx: Tensor, k: int, *, weights: Tensor | None = None, scale: float = 1.0,
                  relu: bool = True, query_offset: int | Tensor | None = None, starts: Tensor | None = None,
                  ends: Tensor | None = None, mask: Tensor | None = None, sorted: bool = True,
-                 fill: float = float("-inf")) -> tuple[Tensor, Tensor]:
+                 fill: float = float("-inf"), low_precision_grad: bool = False) -> tuple[Tensor, Tensor]:
     """Top-k keys per query of ``sum_h weights * relu(scale * q_h . kx)`` without writing the score table.
 
     q [B, T, H, D], kx [B, S, D] (bf16 / fp16 / fp32), weights [B, T, H] or None.
@@ -21,6 +21,8 @@ def indexer_topk(q: Tensor, kx: Tensor, k: int, *, weights: Tensor | None = None
     Returns (values fp32 [B, T, k], indices int64 [B, T, k]), ordered by value desc then position asc;
     with sorted=False (on CUDA) the same entries per row in an unspecified order, which may differ from
     run to run (as torch.topk promises no order): use it only where the order cannot matter.
+    Gradients of the values are fp32-exact; low_precision_grad=True rounds the score gradients to q's
+    16-bit dtype in the backward's matrix products (as flash-attention does), for models that score in 16-bit.
     """
     causal = query_offset is not None
     offset, offsets = 0, None
@@ -37,4 +39,5 @@ def indexer_topk(q: Tensor, kx: Tensor, k: int, *, weights: Tensor | None = None
         else:
             raise TypeError(f"indexer_topk: mask must be bool or floating point, got {mask.dtype}")
     return torch.ops.hyscale.select(q, kx, weights, k, float(scale), relu, causal, offset, offsets,
-                                    starts, ends, bool_mask, bias, float(fill), sorted)
+                                    starts, ends, bool_mask, bias, float(fill), sorted,
+                                    low_precision_grad=low_precision_grad)

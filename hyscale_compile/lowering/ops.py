@@ -9,6 +9,10 @@ Visibility arguments, shared by all three ops and in this order:
     causal, offset, offsets, starts, ends, mask, bias
 and, last, ``causal_additive`` for select and rescore (see ``runtime.reference.Visibility``).
 
+``low_precision_grad`` (select, rescore; ``low_precision`` of sparse_backward): the model computes the score in
+16-bit, so the backward may round the score gradients to the operand dtype for its MMAs; by default they stay
+fp32-exact (precision follows the model: the pass sets it from the model's own arithmetic).
+
 Gradients follow the expression the ops stand for: q, kx and weights through the k selected scores, the
 additive mask ``bias`` at the selected positions; a pick hidden by a replacing mask (causal, windows, bool
 mask: its value is the fill) passes no gradient, one behind the additive causal mask (its value is
@@ -113,8 +117,8 @@ def _vis(causal, offset, offsets, starts, ends, mask, bias, rows=None, causal_ad
 @torch.library.custom_op("hyscale::select", mutates_args=())
 def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
            causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
-           mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool, causal_additive: bool = False
-           ) -> tuple[Tensor, Tensor]:
+           mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool, causal_additive: bool = False,
+           low_precision_grad: bool = False) -> tuple[Tensor, Tensor]:
     check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
     vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2], causal_additive=causal_additive)
     kx, weights = _prepare(q, kx, weights)
@@ -124,7 +128,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
 
 @select.register_fake
 def _(q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill, sorted,
-      causal_additive=False):
+      causal_additive=False, low_precision_grad=False):
     check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
     B, T = q.shape[0], q.shape[1]
     return (q.new_empty((B, T, k), dtype=torch.float32), q.new_empty((B, T, k), dtype=torch.int64))
@@ -137,7 +141,8 @@ def _(q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mas
 @torch.library.custom_op("hyscale::rescore", mutates_args=())
 def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scale: float, relu: bool,
             causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
-            mask: Tensor | None, bias: Tensor | None, fill: float, causal_additive: bool = False) -> Tensor:
+            mask: Tensor | None, bias: Tensor | None, fill: float, causal_additive: bool = False,
+            low_precision_grad: bool = False) -> Tensor:
     check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias, indices)
     vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2], causal_additive=causal_additive)
     kx, weights = _prepare(q, kx, weights)
@@ -146,7 +151,7 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
 
 @rescore.register_fake
 def _(q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill,
-      causal_additive=False):
+      causal_additive=False, low_precision_grad=False):
     check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias, indices)
     return indices.new_empty(indices.shape, dtype=torch.float32)
 
@@ -158,33 +163,27 @@ def _(q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, end
 @torch.library.custom_op("hyscale::sparse_backward", mutates_args=())
 def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
                     scale: float, relu: bool, causal: bool, offset: int, offsets: Tensor | None,
-                    starts: Tensor | None, ends: Tensor | None, mask: Tensor | None
+                    starts: Tensor | None, ends: Tensor | None, mask: Tensor | None, low_precision: bool = False
                     ) -> tuple[Tensor, Tensor, Tensor]:
     vis = _vis(causal, offset, offsets, starts, ends, mask, None, rows=q.shape[:2])
-    impl = dispatch.backward_kernels_for(q)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    if impl is dispatch.reference:
-        dq, dkx, dw = impl.sparse_backward(grad_values, q, kx, weights, indices, scale, relu, vis)
-    else:
-        dq, dkx, dw = impl.sparse_backward(grad_values, q, kx, weights, indices, scale, relu, vis,
-                                           deterministic=deterministic)
+    dq, dkx, dw = dispatch.backward_kernels_for(q).sparse_backward(
+        grad_values, q, kx, weights, indices, scale, relu, vis,
+        deterministic=torch.are_deterministic_algorithms_enabled(), low_precision=low_precision)
     return dq, dkx, (dw if dw is not None else q.new_empty((0,), dtype=torch.float32))
 
 
 @sparse_backward.register_fake
-def _(grad_values, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask):
+def _(grad_values, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask,
+      low_precision=False):
     # contiguous, like every implementation returns (empty_like would copy an input's strides)
     dw = weights.new_empty(weights.shape) if weights is not None else q.new_empty((0,), dtype=torch.float32)
     return q.new_empty(q.shape), kx.new_empty(kx.shape), dw
 
 
-
-
-
 def _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias,
-           causal_additive) -> None:
+           causal_additive, low_precision_grad) -> None:
     ctx.save_for_backward(q, kx, weights, indices, offsets, starts, ends, mask)
-    ctx.scale, ctx.relu, ctx.offset = scale, relu, offset
+    ctx.scale, ctx.relu, ctx.offset, ctx.low_precision = scale, relu, offset, low_precision_grad
     # behind an additive causal mask a pick's value is score + -inf: its gradient flows as through any add
     ctx.causal, ctx.causal_additive = causal, causal and causal_additive
     ctx.bias_shape = None if bias is None else (bias.shape, bias.dtype)
@@ -196,7 +195,7 @@ def _grads(ctx, grad_values: Tensor, bias_grad: bool):
     causal = ctx.causal and not ctx.causal_additive  # the mask that replaces values (and stops gradients)
     dq, dkx, dw = torch.ops.hyscale.sparse_backward(
         grad_values, q, kx_full, w_full, indices, ctx.scale, ctx.relu, causal, ctx.offset,
-        offsets, starts, ends, mask)
+        offsets, starts, ends, mask, ctx.low_precision)
     dkx = _sum_to(dkx, kx)
     dw = _sum_to(dw, weights).to(weights.dtype) if weights is not None else None
     dbias = None
@@ -231,27 +230,27 @@ def _sum_to(grad: Tensor, like: Tensor | torch.Size) -> Tensor:
 
 def _select_setup(ctx, inputs, output) -> None:
     (q, kx, weights, k, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill, sorted,
-     causal_additive) = inputs
+     causal_additive, low_precision_grad) = inputs
     _setup(ctx, q, kx, weights, output[1], scale, relu, causal, offset, offsets, starts, ends, mask, bias,
-           causal_additive)
+           causal_additive, low_precision_grad)
     ctx.mark_non_differentiable(output[1])
 
 
 def _select_backward(ctx, grad_values, grad_indices):
     dq, dkx, dw, dbias = _grads(ctx, grad_values, ctx.needs_input_grad[12])
-    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, dbias, None, None, None
+    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, dbias, None, None, None, None
 
 
 def _rescore_setup(ctx, inputs, output) -> None:
     (q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias, fill,
-     causal_additive) = inputs
+     causal_additive, low_precision_grad) = inputs
     _setup(ctx, q, kx, weights, indices, scale, relu, causal, offset, offsets, starts, ends, mask, bias,
-           causal_additive)
+           causal_additive, low_precision_grad)
 
 
 def _rescore_backward(ctx, grad_values):
     dq, dkx, dw, dbias = _grads(ctx, grad_values, ctx.needs_input_grad[12])
-    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, dbias, None, None
+    return dq, dkx, dw, None, None, None, None, None, None, None, None, None, dbias, None, None, None
 
 
 select.register_autograd(_select_backward, setup_context=_select_setup)

@@ -187,7 +187,8 @@ def _emit(graph: fx.Graph, site: Site, sc: Score, plan: masks.MaskPlan, scale: f
         out = graph.call_function(torch.ops.hyscale.select.default, (), dict(
             q=q, kx=k, weights=w, k=site.k, scale=scale, relu=sc.relu, causal=plan.causal, offset=plan.offset,
             offsets=None, starts=plan.starts, ends=plan.ends, mask=bool_mask, bias=bias, fill=plan.fill,
-            sorted=site.sorted, causal_additive=plan.causal_additive))
+            sorted=site.sorted, causal_additive=plan.causal_additive,
+            low_precision_grad=dtype(sc.q.at) in (torch.bfloat16, torch.float16)))
         values = graph.call_function(operator.getitem, (out, 0))
         indices = graph.call_function(operator.getitem, (out, 1))
         values, indices = (_to_layout(graph, x, sc, batching, T, S) for x in (values, indices))

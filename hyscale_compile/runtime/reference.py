@@ -175,11 +175,13 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
 
 
 def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
-                    scale: float, relu: bool, vis: Visibility) -> tuple[Tensor, Tensor, Tensor | None]:
+                    scale: float, relu: bool, vis: Visibility, deterministic: bool = True,
+                    low_precision: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Gradients of sum(grad_values * values) w.r.t. q, kx, weights, touching only the selected keys.
 
     Masked picks carry a constant (the fill), so they get no gradient. dkx is accumulated with
-    index_add_, deterministic on CPU.
+    index_add_, deterministic on CPU; everything is fp32 (``deterministic`` and ``low_precision`` are the
+    kernels' choices, taken here so that both implementations have one signature).
     """
     B, T, H, D = q.shape
     S = kx.shape[1]

@@ -15,6 +15,13 @@ the atomic path adds them with float atomics (order-dependent bits); the determi
 the picks by key (stable) first, writes each pick's contribution at its place in that order, and
 sums each key's contiguous run in that fixed order. Masked picks (not visible) get a zero upstream
 gradient, so they add nothing.
+
+Precision follows the model (``GRAD``): the score gradients gpre are fp32 values. Where the model scores
+in 16-bit, they are rounded to the operand dtype for the MMAs, as flash-attention does (GRAD_LOW). Where the
+model's score arithmetic is fp32 on 16-bit inputs, they stay fp32-exact: for bf16 operands gpre is split
+into three bf16 terms (8 + 8 + 8 bits: the split is exact) multiplied with the exact bf16 operands in fp32
+accumulation (GRAD_SPLIT3); fp16 operands (whose narrow exponent cannot hold the split) are widened to fp32
+and multiplied as tf32x3 (fp16 is exact in tf32), as fp32 operands are under torch's matmul precision.
 """
 
 from __future__ import annotations
@@ -79,8 +86,8 @@ def _slices(rows: int, K: int, BK: int, per_sm: int, device: torch.device) -> in
 @triton.jit
 def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, contrib_ptr, place_ptr, seg_ptr,
                 t0, B, R, T, H, S, K, D, scale, slice_picks, out_T, out_t0, seg_base, g0, group_rows,
-                HAS_W: tl.constexpr, RELU: tl.constexpr, ATOMIC: tl.constexpr, LOW_PREC: tl.constexpr,
-                PREC: tl.constexpr,
+                HAS_W: tl.constexpr, RELU: tl.constexpr, ATOMIC: tl.constexpr, GRAD: tl.constexpr,
+                PREC: tl.constexpr, GRAD_PREC: tl.constexpr,
                 BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     # One program per query row of the chunk and slice of ``slice_picks`` picks: pid = b * R + r, the row is
     # t = t0 + r. Slice p writes its dq / dw to rows [p, b, t - out_t0] of a [P, B, out_T] array: dq
@@ -123,7 +130,7 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
         # the same precision setting; only the tile shape differs.
         if PREC == "upcast":
             pre = tl.dot(qt.to(tl.float32), tl.trans(kg).to(tl.float32), input_precision="ieee") * scale
-        elif LOW_PREC:
+        elif GRAD != 2:  # 16-bit operands, as stored (the products are exact in fp32)
             pre = tl.dot(qt, tl.trans(kg), out_dtype=tl.float32) * scale
         else:
             pre = tl.dot(qt, tl.trans(kg), input_precision=PREC, out_dtype=tl.float32) * scale
@@ -138,14 +145,24 @@ def _row_kernel(g_ptr, q_ptr, kx_ptr, w_ptr, idx_ptr, dq_ptr, dw_ptr, dkx_ptr, c
         if PREC == "upcast":
             dq_acc += tl.dot(gp, kg.to(tl.float32), input_precision="ieee")
             contrib = tl.dot(tl.trans(gp), qt.to(tl.float32), input_precision="ieee")
-        elif LOW_PREC:
-            # 16-bit operands: gradients of the scores in the operand dtype, as flash-attention does.
+        elif GRAD == 0:  # GRAD_LOW: the model scores in 16-bit; score gradients in the operand dtype
             gp_lo = gp.to(kg.dtype)
             dq_acc += tl.dot(gp_lo, kg)
             contrib = tl.dot(tl.trans(gp_lo), qt)
+        elif GRAD == 1:  # GRAD_SPLIT3: gp = hi + mid + lo exactly, three bf16 MMAs, smallest term first
+            hi = gp.to(tl.bfloat16)
+            rest = gp - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            dq_acc = tl.dot(lo, kg, dq_acc)
+            dq_acc = tl.dot(mid, kg, dq_acc)
+            dq_acc = tl.dot(hi, kg, dq_acc)
+            contrib = tl.dot(tl.trans(lo), qt)
+            contrib = tl.dot(tl.trans(mid), qt, contrib)
+            contrib = tl.dot(tl.trans(hi), qt, contrib)
         else:
-            dq_acc += tl.dot(gp, kg, input_precision=PREC)
-            contrib = tl.dot(tl.trans(gp), qt, input_precision=PREC)
+            dq_acc += tl.dot(gp, kg, input_precision=GRAD_PREC)
+            contrib = tl.dot(tl.trans(gp), qt, input_precision=GRAD_PREC)
         if ATOMIC:
             tl.atomic_add(dkx_ptr + b * S * D + ids[:, None] * D + ds[None, :], contrib, mask=kd_mask)
         else:
@@ -224,21 +241,36 @@ def _group_chunks(B: int, rows: int, K: int, S: int) -> int:
     return max(1, _ORDER_BYTES // (_ORDER_BYTES_PER_PICK * B * rows * K + 16 * B * S))
 
 
+GRAD_LOW, GRAD_SPLIT3, GRAD_FP32 = 0, 1, 2  # how the score gradients meet the operands (module note)
+
+
+def grad_path(q: Tensor, kx: Tensor, low_precision: bool) -> int:
+    """GRAD_LOW where asked for and the operands are one 16-bit dtype; GRAD_SPLIT3 for bf16 operands;
+    GRAD_FP32 (operands widened) for fp16, fp32 or mixed ones."""
+    if q.dtype == torch.float32 or kx.dtype != q.dtype:
+        return GRAD_FP32
+    if low_precision:
+        return GRAD_LOW
+    return GRAD_SPLIT3 if q.dtype == torch.bfloat16 else GRAD_FP32
+
+
 def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
-                    scale: float, relu: bool, vis: Visibility, deterministic: bool = False
-                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+                    scale: float, relu: bool, vis: Visibility, deterministic: bool = False,
+                    low_precision: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Gradients of sum(grad_values * values) w.r.t. q, kx, weights (contract: ``reference.sparse_backward``).
 
-    deterministic=True forbids float atomics; False lets ``PREFER_DETERMINISTIC`` decide.
+    deterministic=True forbids float atomics; False lets ``PREFER_DETERMINISTIC`` decide. low_precision:
+    the model scores in 16-bit, so 16-bit score gradients are as precise as its own (module note).
     """
     B, T, H, D = q.shape
     S, K = kx.shape[1], indices.shape[-1]
     use_atomics = not (deterministic or PREFER_DETERMINISTIC)
     g = _masked_grad(grad_values, indices, vis, S)
-    low = q.dtype != torch.float32 and kx.dtype == q.dtype
-    # Mixed or fp32 inputs go through fp32 (tl.dot needs one input dtype).
-    qc = q.contiguous() if low else q.float().contiguous()
-    kxc = kx.contiguous() if low else kx.float().contiguous()
+    path = grad_path(q, kx, low_precision)
+    # fp16, fp32 or mixed operands go through fp32 (tl.dot needs one input dtype).
+    widened = path == GRAD_FP32
+    qc = q.float().contiguous() if widened else q.contiguous()
+    kxc = kx.float().contiguous() if widened else kx.contiguous()
     idx = indices.contiguous()
     wc = weights.contiguous() if weights is not None else qc
     dq = torch.empty(B, T, H, D, dtype=torch.float32, device=q.device)
@@ -272,8 +304,8 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
         seg_base = (t0 - g0) // rows * B * S  # this chunk's bounds in its group's
         _row_kernel[(B * R, P)](g, qc, kxc, wc, idx, dq_out, dw_out, dkx, contrib, place, seg, t0, B, R, T, H, S,
                                 K, D, float(scale), slice_picks, out_T, out_t0, seg_base, g0, G,
-                                HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, LOW_PREC=low,
-                                PREC=precision(qc.dtype), BH=BH, BK=BK, BD=BD,
+                                HAS_W=weights is not None, RELU=bool(relu), ATOMIC=use_atomics, GRAD=path,
+                                PREC=precision(qc.dtype), GRAD_PREC=_grad_precision(q, qc), BH=BH, BK=BK, BD=BD,
                                 num_warps=warps, num_stages=stages)
         if P > 1:
             dq[:, t0:t0 + R] = dq_out.sum(0)
@@ -283,6 +315,14 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
             _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS),)](contrib, seg, dkx, B * S, D, seg_base, BD=BD,
                                                                  BKEY=SEGMENT_KEYS)
     return _finish(dq, dkx, dw, q, kx, weights)
+
+
+def _grad_precision(q: Tensor, qc: Tensor) -> str:
+    """The widened path's MMA precision for the score gradients: tf32x3 for widened 16-bit operands (exact in
+    tf32; three MMAs keep the fp32 gradients' bits), torch's matmul setting for the model's own fp32."""
+    if q.dtype != torch.float32 and qc.dtype == torch.float32 and not interpreting():
+        return "tf32x3"
+    return precision(qc.dtype)
 
 
 def _finish(dq: Tensor, dkx: Tensor, dw: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None):
