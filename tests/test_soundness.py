@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import flat, ties_by_position
+from torch._dynamo.utils import counters
 
 import hyscale_compile
 
@@ -216,3 +217,122 @@ def test_triangle_then_finite_fill_is_additive_and_rewritten():
     assert "causal (additive)" in report.sites[0].mask_kind
     values = triangle_then_finite_fill(*_qkw()).values
     assert (values == -1e4).any() and torch.isinf(values).any()  # both kinds of masked pick occur
+
+
+# ---------------------------------------------------------------------------------------------
+# a reviewer's cases (each was a wrong result or a crash): masks written after they are built, copies whose
+# original changes, writes spelled as dunders or foreach, float64 fills, positions in narrow dtypes
+
+
+def _masked(s, visible):
+    return s.masked_fill(~visible, NEG).topk(K)
+
+
+def prefix_lm_edit_of_arange_mask(q, k, w):
+    m = torch.arange(S)[None, :] <= torch.arange(T)[:, None]
+    m[:, :3] = True  # the positional causal mask, edited in place: not the causal kind any more
+    return _masked(_score(q, k, w), m)
+
+
+def write_into_ones_before_tril(q, k, w):
+    m = torch.ones(T, S, dtype=torch.bool)
+    m[:, 2:] = False
+    return _masked(_score(q, k, w), m.tril(3))
+
+
+def triangle_edited_with_masked_fill_(q, k, w):
+    tri = torch.full((T, S), NEG).triu(1)
+    tri.masked_fill_(torch.arange(S) < 2, 0.0)
+    return (_score(q, k, w) + tri).topk(K)
+
+
+def keys_cloned_then_updated(q, k, w):
+    kc = k.clone()
+    k.mul_(-1.0)
+    return _score(q, kc, w).topk(K)
+
+
+def bias_updated_by_dunder(q, k, w):
+    b = torch.linspace(-1, 1, T * S).view(T, S)
+    s = _score(q, k, w) + b
+    b.__imul__(-3.0)
+    return s.topk(K)
+
+
+def bias_updated_by_foreach(q, k, w):
+    b = torch.linspace(-1, 1, T * S).view(T, S)
+    s = _score(q, k, w) + b
+    torch._foreach_mul_([b], -3.0)
+    return s.topk(K)
+
+
+def fill_after_float64(q, k, w):
+    return _score(q, k, w).to(torch.float64).masked_fill(~_visible(), 1e-50).topk(K)
+
+
+def positions_in_bfloat16(q, k, w):
+    kpos = torch.arange(S, dtype=torch.bfloat16) + 1000
+    qpos = torch.arange(T, dtype=torch.bfloat16) + 1000 + (S - T)
+    return _masked(_score(q, k, w), kpos[None, :] <= qpos[:, None])
+
+
+def int32_window_wraps(q, k, w):
+    ks = torch.tensor([0, 2**31 - 2, 1, 0, 3], dtype=torch.int32)
+    return _masked(_score(q, k, w), torch.arange(S)[None, :] >= ks[:, None] + 3)
+
+
+def float_arange_start(q, k, w):
+    return _masked(_score(q, k, w), torch.arange(0.5, S + 0.5)[None, :] <= torch.arange(T)[:, None] + 2)
+
+
+REVIEWED = [prefix_lm_edit_of_arange_mask, write_into_ones_before_tril, triangle_edited_with_masked_fill_,
+            keys_cloned_then_updated, bias_updated_by_dunder, bias_updated_by_foreach, fill_after_float64,
+            positions_in_bfloat16, int32_window_wraps, float_arange_start]
+
+
+@pytest.mark.parametrize("model", REVIEWED, ids=lambda f: f.__name__)
+def test_reviewed_cases_equal_eager(model):
+    hyscale_compile.explain(model, *_qkw())  # never raises, whatever it decides
+    got = flat(torch.compile(model, backend="hyscale", options={"compiler": "aot_eager"})(*_qkw()))
+    with ties_by_position():
+        want = flat(model(*_qkw()))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_float16_score_arithmetic_is_left_alone():
+    """fp16 overflows at 65504 (inf - inf across heads is NaN); the op's fp32 arithmetic would not."""
+    def model(q, k, w):
+        return (torch.relu(torch.einsum("bthd,bsd->bths", q, k)) * w[..., None]).sum(2).topk(2)
+
+    q = torch.tensor([300.0, 290.0]).half().view(1, 1, 2, 1)
+    k = torch.tensor([250.0, 1.0, 2.0, 3.0]).half().view(1, 4, 1)
+    w = torch.tensor([1.0, -1.0]).half().view(1, 1, 2)
+    report = hyscale_compile.explain(model, q, k, w)
+    assert [s.decision for s in report.sites] == ["rejected"] and "float16" in report.sites[0].reason
+    got = torch.compile(model, backend="hyscale", options={"compiler": "eager"})(q, k, w)
+    assert torch.isnan(got.values[0, 0, 0])
+
+
+def test_score_combined_with_itself_is_left_alone():
+    def model(q, k, w):
+        s = _score(q, k, w)
+        return (s + s).topk(K)
+
+    report = hyscale_compile.explain(model, *_qkw())
+    assert [s.decision for s in report.sites] == ["rejected"] and "from the score itself" in report.sites[0].reason
+
+
+def test_sort_slice_under_dynamic_shapes_is_rewritten_like_explain_says():
+    def model(q, k, w):
+        v, i = _score(q, k, w).sort(dim=-1, descending=True)
+        return v[..., :K], i[..., :K]
+
+    compiled = torch.compile(model, backend="hyscale", options={"compiler": "aot_eager"}, dynamic=True)
+    got = compiled(*_qkw())
+    assert dict(counters["hyscale"]).get("selection_rewritten") == 1
+    with ties_by_position():
+        want = model(*_qkw())
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    assert hyscale_compile.explain(model, *_qkw()).sites[0].decision == "rewritten"

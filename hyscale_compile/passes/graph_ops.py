@@ -23,6 +23,7 @@ _FUNCTIONS: dict[Any, str] = {
     torch.clamp: "clamp",
     torch.clamp_min: "clamp",
     torch.clip: "clamp",
+    torch.maximum: "maximum",
     F.relu: "relu",
     operator.mul: "mul",
     torch.mul: "mul",
@@ -85,6 +86,7 @@ _FUNCTIONS: dict[Any, str] = {
 
 _METHODS: dict[str, str] = {
     "matmul": "matmul", "bmm": "matmul", "relu": "relu", "clamp": "clamp", "clamp_min": "clamp", "clip": "clamp",
+    "maximum": "maximum",
     "mul": "mul", "div": "div", "add": "add", "sub": "sub", "neg": "neg", "sum": "sum", "mean": "mean",
     "masked_fill": "masked_fill", "topk": "topk", "sort": "sort", "argsort": "argsort", "gather": "gather",
     "take_along_dim": "take_along_dim", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
@@ -199,6 +201,61 @@ def same_size(a: Any, b: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return a is b or bool(statically_known_true(a == b))
+
+
+_INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod, operator.ipow,
+                      operator.ilshift, operator.irshift, operator.imatmul)  # and_, or_, not_ ... are not in-place
+_INPLACE_DUNDERS = {f"__{getattr(f, '__name__', '').strip('_')}__" for f in _INPLACE_OPERATORS} | {"__setitem__"}
+
+
+def mutates(n: fx.Node) -> bool:
+    """Conservatively: could this call write into an existing tensor? (``x.mul_``, ``x *= 2``, ``x.__imul__``,
+    ``x[i] = v``, ``torch._foreach_mul_``, ``out=``, ``inplace=True``, a module call, a mutable op overload.)"""
+    if n.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if n.op == "call_module" or n.kwargs.get("out") is not None or n.kwargs.get("inplace"):
+        return True
+    if n.op == "call_function" and n.target in _INPLACE_OPERATORS:
+        return True
+    if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator"):
+        return False
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._schema.is_mutable
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if not isinstance(name, str):
+        return False
+    if name.startswith("__") and name.endswith("__"):
+        return name in _INPLACE_DUNDERS
+    return name.endswith("_") and name != "requires_grad_"  # x.mul_, torch.relu_, torch._foreach_mul_
+
+
+# Ops whose result may share storage with their first argument: a write into one is a write into the other.
+_ALIASING = {"transpose", "permute", "unsqueeze", "squeeze", "reshape", "getitem", "expand", "detach", "identity",
+             "float", "to"}
+
+
+def written_in_place(node: fx.Node) -> bool:
+    """Is ``node``'s tensor (or a view of it) written in place anywhere in the graph? Then reading its value
+    from its producer (an ``arange``, a ``triu`` of ``ones``, a constant) would miss the write."""
+    todo, seen = [node], set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        for u in x.users:
+            if mutates(u) and (u.args[:1] == (x,) or (u.op == "call_function" and _lists_first(u, x))):
+                return True
+            if op_name(u) in _ALIASING and u.args[:1] == (x,):
+                todo.append(u)
+    return False
+
+
+def _lists_first(u: fx.Node, x: fx.Node) -> bool:
+    """``torch._foreach_mul_([x, ...], c)``: x is written through the list it is in."""
+    first = u.args[0] if u.args else None
+    return isinstance(first, (list, tuple)) and x in first
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

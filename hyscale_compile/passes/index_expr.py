@@ -23,7 +23,19 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from .graph_ops import dtype, is_one, is_tensor, named_arg, normalize_dim, op_name, same_size, shape, source_line, value
+from .graph_ops import (
+    dtype,
+    is_one,
+    is_tensor,
+    named_arg,
+    normalize_dim,
+    op_name,
+    same_size,
+    shape,
+    source_line,
+    value,
+    written_in_place,
+)
 
 _labels = itertools.count()
 
@@ -72,6 +84,7 @@ class Score:
     fill: float | None = None
     filled_before_bias: bool = False
     virtual_query: Label = None  # decode with the query dim squeezed away: a size-1 query dim of our own
+    wide: bool = False  # cast to float64: only views and casts may follow (the op computes in float32)
     nodes: tuple[fx.Node, ...] = field(default=())  # the chain, bottom-up; all must die with the rewrite
     node_dims: tuple[tuple[fx.Node, tuple], ...] = field(default=())  # each chain node's dim labels
 
@@ -184,6 +197,9 @@ def _dot(node: fx.Node, query, key, out: str, d: str) -> Score:
     key_free = [c for c in kl if c not in ql and c != d and c != "1"]
     query_free = tuple(names[c] for c in ql if c not in kl and c != d and c != "1")
     if len(key_free) != 1:
+        if len(key_free) > 1:
+            raise Reject("the keys have dimensions the queries lack besides the key positions (the queries "
+                         "broadcast over a batch of keys): not the indexer form", node)
         raise Reject("the key operand must have exactly one dimension besides batch and head_dim", node)
     if not query_free:
         raise Reject("the query operand has no dimension of its own", node)
@@ -194,7 +210,7 @@ def _dot(node: fx.Node, query, key, out: str, d: str) -> Score:
 
 def _head_sum(node: fx.Node, score, weight, out: str, h: str, s_letter: str) -> Score:
     (sn, sl), (wn, wl) = score, weight
-    sc = interpret(sn, sl.index(s_letter))
+    sc = _narrow(interpret(sn, sl.index(s_letter)), node)
     names = dict(zip(sl, sc.dims))
     if any(c not in names for c in wl if c != "1"):
         raise Reject("the head weights have a dimension the score does not have", node)
@@ -283,6 +299,8 @@ def _check_factor_labels(sc: Score, leaf: Leaf, node: fx.Node) -> None:
 def _scalar(x) -> float | None:
     """A constant number: a Python number, or a 0-d ``torch.tensor(number)`` built in the graph."""
     if isinstance(x, fx.Node) and op_name(x) == "tensor" and len(x.args) == 1 and shape(x) == ():
+        if written_in_place(x):
+            return None
         x = x.args[0]
     if isinstance(x, bool):
         return None
@@ -313,6 +331,7 @@ def _score_and_other(node: fx.Node, s_dim: int) -> tuple[Score, object]:
 
 def _scaled(sc: Score, node: fx.Node, c: float) -> Score:
     """Multiply the score by the constant ``c`` (before or after the activation, as it stands)."""
+    _narrow(sc, node)
     if sc.masked:
         # c * fill must stay the fill and the biases would need scaling too: only a positive c on a score
         # whose masked entries are infinite and that has no additive mask is still the same selection
@@ -326,6 +345,7 @@ def _scaled(sc: Score, node: fx.Node, c: float) -> Score:
 
 def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
     sc, other = _score_and_other(node, s_dim)
+    _narrow(sc, node)
     if divide and other is node.args[0]:
         raise Reject("the score divides something instead of being divided", node)
     c = _scalar(other)
@@ -371,6 +391,7 @@ def _add(node: fx.Node, s_dim: int, subtract: bool = False) -> Score:
     if named_arg(node, "alpha", 1) != 1:
         raise Reject(f"{'sub' if subtract else 'add'} with alpha != 1 is not supported on the score", node)
     sc, other = _score_and_other(node, s_dim)
+    _narrow(sc, node)
     if subtract and other is node.args[0]:
         raise Reject("the score is subtracted from something (a negated score), which is not the indexer form", node)
     if not is_tensor(other):
@@ -389,12 +410,22 @@ def _add(node: fx.Node, s_dim: int, subtract: bool = False) -> Score:
 
 
 def _fill(sc: Score, node: fx.Node, value) -> Score:
+    _narrow(sc, node)
     v = _scalar(value)
     if v is None:
         raise Reject("the masked fill value is not a constant number", node)
-    if sc.fill is not None and sc.fill != v:
+    dt = dtype(node)
+    if dt is not None and dt.is_floating_point and math.isfinite(v) and abs(v) > torch.finfo(dt).max:
+        if op_name(node) == "masked_fill":
+            raise Reject(f"the fill value {v} overflows {dt} (eager raises an error here)", node)
+        v = math.copysign(math.inf, v)  # where() converts the number to the score's dtype: it rounds to inf
+    if sc.fill is not None and not _same_float(sc.fill, v):
         raise Reject(f"two different fill values ({sc.fill} and {v}) are used on the score", node)
     return sc.with_node(node, fill=v)
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _masked_fill(node: fx.Node, s_dim: int) -> Score:
@@ -423,9 +454,9 @@ def _where(node: fx.Node, s_dim: int) -> Score:
 
 
 def _relu(node: fx.Node, s_dim: int) -> Score:
-    if op_name(node) == "clamp" and not _is_relu_clamp(node):
+    if op_name(node) in ("clamp", "maximum") and not _is_relu_clamp(node):
         raise Reject("the score is clamped to a range other than [0, inf)", node)
-    sc = interpret(node.args[0] if node.args else node.kwargs["input"], s_dim)
+    sc = _narrow(interpret(node.args[0] if node.args else node.kwargs["input"], s_dim), node)
     if sc.relu and not (sc.weights or sc.head is not None or sc.bias or sc.keep) and sc.post_scale > 0:
         return sc.with_node(node)  # relu(c * relu(x)) == c * relu(x) for c > 0
     if sc.relu or sc.head is not None or sc.bias or sc.keep:
@@ -434,13 +465,16 @@ def _relu(node: fx.Node, s_dim: int) -> Score:
 
 
 def _is_relu_clamp(node: fx.Node) -> bool:
-    """clamp(min=0) / clamp_min(0): ReLU spelled as a clamp."""
+    """clamp(min=0) / clamp_min(0) / clamp(0, inf) / maximum(x, 0-d zero): ReLU spelled otherwise (all keep NaN)."""
+    if op_name(node) == "maximum":
+        other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+        return _scalar(other) == 0.0 and shape(other) == ()
     if node.target in ("clamp_min", torch.clamp_min):
         low, high = node.args[1] if len(node.args) > 1 else node.kwargs.get("min"), None
     else:
         low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
         high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-    return _scalar(low) == 0.0 and high is None
+    return _scalar(low) == 0.0 and (high is None or _scalar(high) == math.inf)
 
 
 def _sum(node: fx.Node, s_dim: int) -> Score:
@@ -457,8 +491,10 @@ def _sum(node: fx.Node, s_dim: int) -> Score:
     in_s = s_dim if (keepdim or s_dim < dim) else s_dim + 1
     if in_s == dim:
         raise Reject("the score is summed over the key dimension", node)
-    sc = interpret(node.args[0], in_s)
+    sc = _narrow(interpret(node.args[0], in_s), node)
     head = sc.dims[dim]
+    if head is None:  # one indexer head that a matmul left unlabelled, summed with .sum(dim)
+        sc, head = _unit_head(sc, node)
     sc = _with_unit_query(sc, head)
     _check_head(sc, head, node)
     dims = list(sc.dims)
@@ -499,7 +535,16 @@ def _cast(node: fx.Node, s_dim: int) -> Score:
     if shape(node) != shape(src):
         raise Reject("a cast changed the score's shape", node)
     sc = interpret(src, s_dim)
-    return sc.with_node(node)
+    return sc.with_node(node, wide=sc.wide or dtype(node) == torch.float64)
+
+
+def _narrow(sc: Score, node: fx.Node) -> Score:
+    """Arithmetic on the score: not after a float64 upcast, where the model computes more precisely than the op
+    (a fill or bias that float32 cannot hold, a head sum in float64)."""
+    if sc.wide:
+        raise Reject("the score is cast to float64 and then masked, scaled or summed; the selection computes "
+                     "in float32, less precisely than the model", node)
+    return sc
 
 
 def _permute(node: fx.Node, s_dim: int) -> Score:
@@ -639,6 +684,7 @@ _HANDLERS = {
     "matmul": _contraction,
     "relu": _relu,
     "clamp": _relu,
+    "maximum": _relu,
     "mul": _multiply,
     "div": lambda n, s: _multiply(n, s, divide=True),
     "neg": lambda n, s: _scaled(interpret(n.args[0], s), n, -1.0),

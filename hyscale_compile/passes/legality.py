@@ -15,13 +15,12 @@ attention patterns in ``fx_passes/fuse_attention.py``):
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
-from .graph_ops import dtype, is_one, is_tensor, op_name, shape, source_line, value
+from .graph_ops import dtype, is_one, is_tensor, mutates, op_name, shape, source_line, value
 from .index_expr import Leaf, Reject, Score
+from .operands import peel_path
 from .sites import Site, describe
 
 # Ops that read only a tensor's shape, dtype or device: the score may be their input without being written.
@@ -48,6 +47,10 @@ def check_readers(site: Site, sc: Score) -> list[fx.Node]:
             raise Reject(f"the score table is read by {describe(user)} at {source_line(user)}, so it must be "
                          "written; selection is left as it is", site.topk)
     chain = set(sc.nodes)
+    for leaf in (*sc.pre, *sc.key_pre, *sc.weights, *sc.bias, *sc.keep):
+        if _depends_on(leaf.node, chain):
+            raise Reject("the score is combined with a tensor computed from the score itself, so the table is "
+                         "needed", site.topk)
     for n in sc.nodes:
         if n is site.score_node:
             continue
@@ -60,10 +63,29 @@ def check_readers(site: Site, sc: Score) -> list[fx.Node]:
     return metadata
 
 
+def _depends_on(node, nodes: set[fx.Node]) -> bool:
+    """Does ``node``'s value depend on one of ``nodes``? (A ``full_like(score, ...)`` reads its shape only.)"""
+    if not isinstance(node, fx.Node):
+        return False
+    todo, seen = [node], set()
+    while todo:
+        x = todo.pop()
+        if x in nodes:
+            return True
+        if x not in seen:
+            seen.add(x)
+            shape_only = x.args[0] if x.args and reads_metadata_only(x, x.args[0]) else None
+            todo.extend(a for a in x.all_input_nodes if a is not shape_only)
+    return False
+
+
 def check_no_mutation_between(site: Site, sc: Score) -> None:
-    """The op reads q, k, weights and masks where the top-k stands; nothing may change them in between."""
+    """The op reads q, k, weights and masks where the top-k stands; the model read them in the score's chain,
+    or at a copy the op reads under (``operands.peel_path``): nothing may change them in between."""
     order = {n: i for i, n in enumerate(site.topk.graph.nodes)}
-    first = min(order[n] for n in sc.nodes)
+    walked = [n for leaf in (sc.q, sc.k, *sc.pre, *sc.key_pre, *sc.weights, *sc.bias, *sc.keep)
+              for n in peel_path(leaf)[2]]
+    first = min(order[n] for n in (*sc.nodes, *walked))
     for n in site.topk.graph.nodes:
         if first < order[n] < order[site.topk] and mutates(n) and not _writes_unread_new_tensor(n, order):
             raise Reject(f"{describe(n)} at {source_line(n)} may change a tensor between the score and the "
@@ -83,22 +105,6 @@ def _writes_unread_new_tensor(n: fx.Node, order: dict[fx.Node, int]) -> bool:
     return all(u is n or order[u] > order[n] for u in target.users)
 
 
-def mutates(n: fx.Node) -> bool:
-    """Conservatively: could this call write into an existing tensor?"""
-    if n.op not in ("call_function", "call_method", "call_module"):
-        return False
-    if n.op == "call_module" or n.kwargs.get("out") is not None or n.kwargs.get("inplace"):
-        return True
-    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-    if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator"):
-        return n.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                            operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
-                            operator.ipow)  # and_, or_, not_ ... are not in-place
-    if isinstance(n.target, torch._ops.OpOverload):
-        return n.target._schema.is_mutable
-    return isinstance(name, str) and name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
-
-
 _OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -108,6 +114,10 @@ def check_operands(sc: Score, node: fx.Node) -> None:
         if is_tensor(leaf.node) and dtype(leaf.node) not in _OPERAND_DTYPES:
             raise Reject(f"an input of the score is {dtype(leaf.node)}; the selection computes in float32, "
                          "less precisely than the model", node)
+    if any(dtype(n) == torch.float16 for n in sc.nodes):
+        raise Reject("the model computes the score in float16, whose overflow to inf past 65504 the float32 "
+                     "selection would not reproduce; score in bfloat16 or float32 (e.g. q.float(), k.float())",
+                     node)
     for lab in sc.batch:
         qs, ks = shape(sc.q.node)[sc.q.labels.index(lab)], shape(sc.k.node)[sc.k.labels.index(lab)]
         if is_one(qs) and not is_one(ks):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .graph_ops import dtype, is_one, is_tensor, named_arg, op_name, shape, value
+from .graph_ops import dtype, is_one, is_tensor, named_arg, op_name, shape, value, written_in_place
 from .index_expr import Leaf, Score
 
 NEG_INF = float("-inf")
@@ -83,13 +83,17 @@ class _Unknown(Exception):
 
 
 def _affine_or_pred(node) -> Affine | Pred:
+    """The positions or predicate ``node`` computes, read from how it is produced. Integer arithmetic is
+    exact only in int64 (as Python ints are); anything written in place after it was made is unknown."""
     if isinstance(node, int) and not isinstance(node, bool):
         return Affine(const=(node,))
     if isinstance(node, fx.Node) and isinstance(value(node), torch.SymInt):
         return Affine(const=(node,))
-    if not isinstance(node, fx.Node):
+    if not isinstance(node, fx.Node) or written_in_place(node):
         raise _Unknown
     name = op_name(node)
+    if name in ("arange", "add", "sub", "mul") and dtype(node) != torch.int64:
+        raise _Unknown  # positions in a narrower int or a float dtype round or wrap where ints do not
     if name == "arange":
         return _arange(node)
     if name in ("getitem", "unsqueeze", "reshape"):
@@ -146,9 +150,16 @@ def _arange(node: fx.Node) -> Affine:
     args = list(node.args)
     if len(args) == 1 and not node.kwargs.get("start") and node.kwargs.get("step", 1) == 1:
         return Affine(coef=((-1, 1),))
-    if len(args) == 2 and node.kwargs.get("step", 1) == 1:
+    if len(args) == 2 and node.kwargs.get("step", 1) == 1 and _integer(args[0]):
         return Affine(coef=((-1, 1),), const=(args[0],) if args[0] != 0 else ())
     raise _Unknown
+
+
+def _integer(x) -> bool:
+    """A Python int or a node holding a SymInt (a float start would make float positions)."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, int) or (isinstance(x, fx.Node) and isinstance(value(x), torch.SymInt))
 
 
 def _reindex(node: fx.Node) -> Affine | Pred:
@@ -201,7 +212,7 @@ _CONSTANT_BASES = ("ones", "full", "ones_like", "full_like", "new_ones", "new_fu
 def _triangle(node: fx.Node) -> Pred:
     """ones/full(...).triu(d) as a predicate on where it is *nonzero*: col - row >= d (triu), <= d (tril)."""
     base = node.args[0]
-    if op_name(base) not in _CONSTANT_BASES:
+    if op_name(base) not in _CONSTANT_BASES or written_in_place(node) or written_in_place(base):
         raise _Unknown
     if _fill_value(base) in (0, False, None):
         raise _Unknown
@@ -218,6 +229,8 @@ def _fill_value(node: fx.Node):
     base = node
     while op_name(base) in ("triu", "tril"):
         base = base.args[0]
+    if written_in_place(base):
+        return None
     if op_name(base) in ("full", "full_like", "new_full"):
         v = named_arg(base, "fill_value")
         return v if isinstance(v, (int, float)) else None

@@ -16,38 +16,11 @@ import torch
 from torch import fx
 
 from . import masks
-from .graph_ops import dtype, is_tensor, named_arg, normalize_dim, op_name, shape, value
+from .graph_ops import dtype, is_tensor, op_name, shape, value
 from .index_expr import Leaf, Reject, Score, positive_scale
 from .legality import check_operands, requires_grad
+from .operands import peel
 from .sites import Site
-
-
-def _peel(leaf: Leaf) -> tuple[fx.Node, tuple]:
-    """Walk under views and exact 16->32-bit upcasts so the op sees the model's own 16-bit tensor.
-
-    Never under a ``detach``: whether the op may pass gradients to the tensor below is decided by the
-    gradient cuts, from the leaf as the model reads it."""
-    node, labels = leaf.node, list(leaf.labels)
-    while True:
-        name, src = op_name(node), node.args[0] if node.args else None
-        if name in ("float", "to") and dtype(node) == torch.float32 and dtype(src) in (torch.bfloat16, torch.float16) \
-                and shape(src) == shape(node):
-            node = src
-        elif name == "identity":
-            node = src
-        elif name == "unsqueeze":
-            d = normalize_dim(named_arg(node, "dim"), len(labels))
-            if labels[d] is not None:
-                break
-            del labels[d]
-            node = src
-        elif name == "transpose":
-            a, b = (normalize_dim(x, len(labels)) for x in (named_arg(node, "dim0"), named_arg(node, "dim1")))
-            labels[a], labels[b] = labels[b], labels[a]
-            node = src
-        else:
-            break
-    return node, tuple(labels)
 
 
 def _canonical(graph: fx.Graph, node: fx.Node, labels: tuple, order: tuple) -> fx.Node:
@@ -118,7 +91,7 @@ class _Operands:
         self.graph, self.batching, self.cuts = graph, batching, cuts
 
     def place(self, leaf: Leaf, rest: tuple, full: bool = False) -> fx.Node:
-        node, labels = _peel(leaf)
+        node, labels = peel(leaf)
         if id(leaf) in self.cuts and requires_grad(node):
             node = self.graph.call_method("detach", (node,))
         return self.batching.place(self.graph, node, labels, rest, full=full)
@@ -157,7 +130,7 @@ def _emit(graph: fx.Graph, site: Site, sc: Score, plan: masks.MaskPlan, scale: f
     with graph.inserting_before(site.topk):
         batching = _batching(graph, sc)
         ops = _Operands(graph, batching, cuts)
-        q_dtype, k_dtype = dtype(_peel(sc.q)[0]), dtype(_peel(sc.k)[0])
+        q_dtype, k_dtype = dtype(peel(sc.q)[0]), dtype(peel(sc.k)[0])
         q = ops.place(sc.q, (T, H, D), full=True)
         k = ops.place(sc.k, (S, D), full=True)
         pre, pre_numbers = ops.factors(sc.pre, (T, H))
@@ -184,8 +157,12 @@ def _emit(graph: fx.Graph, site: Site, sc: Score, plan: masks.MaskPlan, scale: f
         if w is not None and any(dtype(f.node) != torch.float32 for f in sc.weights):
             w = graph.call_method("float", (w,))
         bool_mask, bias = plan.emit(graph, ops.place, T, S)
+        k_sel = site.k
+        if site.k_at_most_keys:  # sort(...)[..., :k] of S keys holds min(k, S) of them
+            keys = label_size(graph, sc, S)
+            k_sel = min(site.k, keys) if isinstance(keys, int) else graph.call_function(torch.sym_min, (site.k, keys))
         out = graph.call_function(torch.ops.hyscale.select.default, (), dict(
-            q=q, kx=k, weights=w, k=site.k, scale=scale, relu=sc.relu, causal=plan.causal, offset=plan.offset,
+            q=q, kx=k, weights=w, k=k_sel, scale=scale, relu=sc.relu, causal=plan.causal, offset=plan.offset,
             offsets=None, starts=plan.starts, ends=plan.ends, mask=bool_mask, bias=bias, fill=plan.fill,
             sorted=site.sorted, causal_additive=plan.causal_additive,
             low_precision_grad=dtype(sc.q.at) in (torch.bfloat16, torch.float16)))

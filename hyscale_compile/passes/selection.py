@@ -97,9 +97,10 @@ def _notes(site: sites.Site, sc: Score, plan: masks.MaskPlan, report: SiteReport
            cuts: set[int]) -> list[str]:
     """What a user should know about a rewritten site."""
     notes = list(plan.notes)
-    if dtype(site.score_node) in (torch.bfloat16, torch.float16):
-        notes.append(f"the model's score is {dtype(site.score_node)}; selection ranks the exact fp32 score, so "
-                     "near-ties its rounding would make may be picked differently")
+    low = [dtype(n) for n in sc.nodes if dtype(n) in (torch.bfloat16, torch.float16)]
+    if low:
+        notes.append(f"the model computes part of the score in {low[0]}; selection ranks the exact fp32 score, "
+                     "so near-ties its rounding would make may be picked differently")
     if any(id(leaf) in cuts and legality.requires_grad(leaf.node) for leaf in (sc.q, sc.k, *sc.weights)):
         notes.append("inputs the model detaches (or scores under no_grad) get no gradient from the selection, "
                      "as in eager")

@@ -32,6 +32,7 @@ class Site:
     indices: list[fx.Node]  # getitem(topk, 1)
     gathers: list[fx.Node]  # score.gather(s_dim, indices)
     extra: tuple[fx.Node, ...] = ()  # other nodes of the selection to erase (a sort's getitems)
+    k_at_most_keys: bool = False  # a slice [..., :k] of a sort: k = min(k, S), S symbolic
 
 
 def find(node: fx.Node) -> Site:
@@ -88,9 +89,14 @@ def _sort_site(node: fx.Node) -> Site:
             ks.add(k)
             parts[which].append(sl)
     size = shape(score)[s_dim]
-    if len(ks) != 1 or not all(isinstance(x, int) for x in (*ks, size)):
-        raise Reject(f"the {name} is sliced to different or symbolic lengths", node)
-    k = min(ks.pop(), size)
+    if len(ks) != 1:
+        raise Reject(f"the {name} is sliced to different lengths ({sorted(ks)})", node)
+    k = ks.pop()
+    if not isinstance(size, int):  # the slice takes min(k, S) entries: the rewrite computes that from S
+        gathers = [u for u in score.users if u is not node and _is_gather_at(u, score, s_dim, ndim, parts[1])]
+        return Site(node, score, s_dim, k, True, parts[0], parts[1], gathers,
+                    extra=tuple(node.users) if name == "sort" else (), k_at_most_keys=True)
+    k = min(k, size)
     gathers = [u for u in score.users if u is not node and _is_gather_at(u, score, s_dim, ndim, parts[1])]
     extra = tuple(node.users) if name == "sort" else ()
     return Site(node, score, s_dim, k, True, parts[0], parts[1], gathers, extra=extra)
