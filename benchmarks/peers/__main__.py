@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.peers import main
+
+sys.exit(main())
