@@ -76,9 +76,9 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node) -> SiteRepo
         _describe(report, site)
         plan = masks_.plan(site)
         report.mask_kind = plan.kind
-        check_no_mutation_between(site, plan)
         _check_gain(site)
         latent, why_not = _latent(site)
+        check_no_mutation_between(site, plan, latent)
         layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
         rewrite_.rewrite(gm, site, plan, latent)
         report.decision, report.layout, report.reason = "rewritten", layout, "; ".join(notes)
@@ -187,25 +187,35 @@ def _written(n: fx.Node):
     return n.args[0] if n.args else None
 
 
-def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan) -> None:
-    """The op reads the indices and the model's key / pick masks at the attention; the model read them earlier,
-    where it built the mask. Nothing in between may write them (or a tensor they may share memory with)."""
+def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan, latent=None) -> None:
+    """The op reads at the attention what the model read earlier: the indices (at the scatter), its key / pick
+    masks (where it built the mask), eager's q and k (at the q.k^T product), the latent, rope key and
+    up-projection (where it expanded them). Nothing in between may write them (or a tensor they may share memory
+    with)."""
     graph = site.scatter.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    reads = [site.index, *plan.reads()]
-    first = min(order[n] for n in (site.scatter, *plan.reads()))
-    bases = {_view_base(r) for r in reads}
-    inputs = any(b.op in ("placeholder", "get_attr") for b in bases)
+    att = site.attention
+    reads = [(site.index, site.scatter)] + [(t, t) for t in plan.reads()]  # (tensor, where the model read it)
+    if att.kind == "eager":
+        product = next(n for n in att.nodes if op_name(n) == "matmul" and n is not att.node)
+        reads += [(att.q, product), (att.k, product)]
+    if latent is not None:
+        reads += [(x, min(x.users, key=order.get)) for x in (latent.weight, latent.latent, latent.rope)]
+    end = order[att.node]
     for n in graph.nodes:
-        if not (first < order[n] < order[site.attention.node]) or not mutates(n) or n in site.chain:
+        if order[n] >= end:
+            break
+        if not mutates(n) or n in site.chain:
             continue
-        if n.op == "call_module":
-            raise Reject(f"{describe(n)} at {source_line(n)} may change the indices or masks before the attention",
-                         site.scatter)
-        w = _view_base(_written(n))
-        if w in bases or inputs and isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr"):
-            raise Reject(f"{describe(n)} at {source_line(n)} may change the indices or masks between the mask's "
-                         "construction and the attention", site.scatter)
+        w = _view_base(_written(n)) if n.op != "call_module" else None
+        for x, at in reads:
+            if order[n] <= order[at]:
+                continue
+            base = _view_base(x)
+            if n.op == "call_module" or w is base or (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")
+                                                       and base.op in ("placeholder", "get_attr")):
+                raise Reject(f"{describe(n)} at {source_line(n)} may change {x.name} after the model read it and "
+                             "before the attention, where the op would read it", site.scatter)
 
 
 def _check_gain(site: sites_.Site) -> None:
