@@ -103,7 +103,7 @@ def find(scatter: fx.Node) -> sites_.Site:
     """The site of an index-mask scatter (Reject when it is not one the op can replace)."""
     base = scatter.args[0]
     fill = sites_.constant_fill(base) if op_name(base) in sites_.CONSTANT_TENSORS else None
-    if fill is None or shape(base) != shape(scatter):
+    if fill is None or not sites_.same_shape(shape(base), shape(scatter)):
         raise Reject("the indices are scattered into a tensor that is not filled with one constant (new_ones, full, "
                      "zeros ...)", scatter)
     picked = sites_._scalar(arg(scatter, 3, "value", scatter.kwargs.get("src")))

@@ -31,8 +31,8 @@ import torch
 from torch import fx
 
 from . import masks
-from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, mask_op
-from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, shape, source_line
+from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, mask_op, same_shape
+from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Leaf, Reject
 from .report import input_name
 from .sites import describe
@@ -108,7 +108,7 @@ def _view_input_labels(node: fx.Node, labels: tuple) -> tuple:
         idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         if not all(i is None or i is Ellipsis or i == slice(None) for i in idx):
             raise Reject(f"a mask is sliced ({node.name}) on its way to the attention")
-    if len(real_in) != len(real_out) or any(si[i] != so[j] for i, j in zip(real_in, real_out)):
+    if len(real_in) != len(real_out) or not all(same_size(si[i], so[j]) for i, j in zip(real_in, real_out)):
         raise Reject(f"a mask is reshaped ({node.name}) beyond adding or removing size-1 dims")
     out = [None] * len(si)
     for i, j in zip(real_in, real_out):
@@ -130,6 +130,11 @@ class _Expr:
         root_shape = shape(self.root)
         if root_shape is None or len(root_shape) > 4:
             raise Reject("the attention mask is not a tensor of at most 4 dims", site.scatter)
+        sq, sk = shape(att.q), shape(att.k)
+        scores = (sq[0], sq[1], sq[2], sk[2])[4 - len(root_shape):]
+        if not all(is_one(d) or same_size(d, n) for d, n in zip(root_shape, scores)):
+            raise Reject("the attention mask has a dim larger than the scores' (it broadcasts the output)",
+                         site.scatter)
         self._visit(self.root, _labels_for(DIMS, None, self.root))
 
     def _visit(self, node: fx.Node, labels: tuple) -> None:
@@ -323,10 +328,10 @@ def _check_scatter_shape(site: Site) -> None:
     B, T, S = sq[0], sq[2], sk[2]
     if sc is None or len(sc) not in (2, 3) or idx is None or len(idx) != len(sc):
         raise Reject("the index mask is not [batch, queries, keys]", site.scatter)
-    if not (sc[-1] == S and sc[-2] == T and (len(sc) == 2 or sc[0] == B or is_one(sc[0]))):
+    if not (same_size(sc[-1], S) and same_size(sc[-2], T) and (len(sc) == 2 or same_size(sc[0], B) or is_one(sc[0]))):
         raise Reject(f"the index mask {list(sc)} does not match the attention's queries and keys ({T}, {S})",
                      site.scatter)
-    if tuple(idx[:-1]) != tuple(sc[:-1]):
+    if not same_shape(idx[:-1], sc[:-1]):
         raise Reject("the scattered indices cover only part of the index mask's rows", site.scatter)
 
 

@@ -179,25 +179,21 @@ def _dead_buffer(n: fx.Node) -> list[fx.Node] | None:
 
 def erase_dead(graph: fx.Graph, roots: list[fx.Node]) -> None:
     """Erase ``roots`` and what only they read, where nothing else reads it and it has no side effect."""
-    todo = list(dict.fromkeys(roots))
+    todo, erased = list(dict.fromkeys(roots)), set()
+    order = {n: i for i, n in enumerate(graph.nodes)}
     while todo:
         n = todo.pop()
-        if n.graph is not graph or n not in graph.nodes:
+        if n in erased or n.graph is not graph:
             continue
         if _removable(n):
             todo.extend(n.all_input_nodes)
             graph.erase_node(n)
+            erased.add(n)
             continue
         group = _dead_buffer(n)
         if group:
             inputs = {a for g in group for a in g.all_input_nodes} - set(group)
-            for g in sorted(group, key=lambda x: -_position(graph, x)):
+            for g in sorted(group, key=lambda x: -order[x]):
                 graph.erase_node(g)
+                erased.add(g)
             todo.extend(inputs)
-
-
-def _position(graph: fx.Graph, node: fx.Node) -> int:
-    for i, n in enumerate(graph.nodes):
-        if n is node:
-            return i
-    return -1

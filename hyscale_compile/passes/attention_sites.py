@@ -40,6 +40,11 @@ CONSTANT_TENSORS = {"ones": 1, "ones_like": 1, "new_ones": 1, "zeros": 0, "zeros
                     "full": None, "full_like": None, "new_full": None, "tensor": None}
 
 
+def same_shape(a, b) -> bool:
+    """Two shapes provably equal (symbolic sizes compared without adding guards)."""
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
 def mask_op(node) -> tuple[str | None, bool]:
     """(canonical name, writes its first argument in place) of a node, also for the in-place forms."""
     if not isinstance(node, fx.Node):
@@ -159,7 +164,8 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
     op can read them as a set. Anything else could repeat an index (the dense mask counts it once, a sparse
     sum twice) or leave the range."""
     n = index
-    while op_name(n) in ("to", "identity") and dtype(n) in _INDEX_DTYPES and shape_of(n.args[0]) in (None, shape(n)):
+    while op_name(n) in ("to", "identity") and dtype(n) in _INDEX_DTYPES and (
+            shape_of(n.args[0]) is None or same_shape(shape_of(n.args[0]), shape(n))):
         n = n.args[0]
     why = ("its indices are not a top-k's (a topk, sort or hyscale.select output, through int casts), so they may "
            "repeat within a row or leave [0, S): a repeated key counts once in the dense mask but twice in a sparse "
@@ -375,7 +381,7 @@ def _find_logits(root: fx.Node, chain: set[fx.Node], scatter: fx.Node):
         for a in n.all_input_nodes:
             if a in chain:
                 todo.append(a)
-            elif shape(a) == shape(root) and dtype(a) is not None and dtype(a).is_floating_point:
+            elif same_shape(shape(a), shape(root)) and dtype(a) is not None and dtype(a).is_floating_point:
                 parsed = parse_logits(a)
                 if parsed is not None and all(f[0] is not a for f in found):
                     found.append((a, parsed))
@@ -406,7 +412,7 @@ def parse_logits(node: fx.Node):
             scale = scale * c if name == "mul" else scale / c
             nodes.append(n)
             n = a
-        elif name in ("float", "to") and dtype(n) == torch.float32 and shape(n) == shape(n.args[0]):
+        elif name in ("float", "to") and dtype(n) == torch.float32 and same_shape(shape(n), shape(n.args[0])):
             nodes.append(n)
             n = n.args[0]
         elif name == "matmul":
@@ -455,8 +461,7 @@ def peel_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
     sx, se = shape(x), shape(e)
     if sx is None or len(sx) != 4 or not all(same_size(a, b) for a, b in zip(sx[:2] + sx[2:], se[:2] + se[3:])):
         return node, 1
-    if tuple(shape(node)) != (se[0], se[1] * se[2], se[3], se[4]) and not all(
-            same_size(a, b) for a, b in zip(shape(node), (se[0], se[1] * se[2], se[3], se[4]))):
+    if not same_shape(shape(node), (se[0], se[1] * se[2], se[3], se[4])):
         return node, 1
     n = se[2]
     return (x, n) if isinstance(n, int) else (node, 1)
