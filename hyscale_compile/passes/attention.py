@@ -82,14 +82,12 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node) -> SiteRepo
         layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
         rewrite_.rewrite(gm, site, plan, latent)
         report.decision, report.layout, report.reason = "rewritten", layout, "; ".join(notes)
-    except Reject as err:
+    except Exception as err:  # a Reject, or a bug of ours, which must never break the user's compile
         undo()
-        report.reason = err.reason
-    except Exception as err:  # a bug of ours must never break the user's compile: leave the site alone
-        undo()
-        if STRICT:
+        if not isinstance(err, Reject) and STRICT:
             raise
-        report.reason = f"hyscale internal error, site left alone (please report): {type(err).__name__}: {err}"
+        report.reason = err.reason if isinstance(err, Reject) else (
+            f"hyscale internal error, site left alone (please report): {type(err).__name__}: {err}")
     record(report)
     return report
 

@@ -21,6 +21,7 @@ from .attention_mla import Latent
 from .attention_sites import Site, peel_repeat_kv
 from .graph_ops import is_one, op_name, shape
 from .legality import mutates, requires_grad
+from .rewrite import canonical
 
 
 def _size(graph: fx.Graph, node: fx.Node, dim: int):
@@ -30,19 +31,7 @@ def _size(graph: fx.Graph, node: fx.Node, dim: int):
 
 def _place(graph: fx.Graph, term: Term, order: tuple, sizes: tuple) -> fx.Node:
     """``term`` (labels per dim, None = size 1) as a tensor with dims ``order``, expanded to ``sizes``."""
-    x, labels = term.node, term.labels
-    for d in reversed(range(len(labels))):
-        if labels[d] is None:
-            x = graph.call_method("squeeze", (x, d))
-    present = [lab for lab in labels if lab is not None]
-    wanted = [lab for lab in order if lab in present]
-    perm = [present.index(lab) for lab in wanted]
-    if perm != list(range(len(perm))):
-        x = graph.call_method("permute", (x, *perm))
-    for i, lab in enumerate(order):
-        if lab not in present:
-            x = graph.call_method("unsqueeze", (x, i))
-    return graph.call_method("expand", (x, *sizes))
+    return graph.call_method("expand", (canonical(graph, term.node, term.labels, order), *sizes))
 
 
 def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | None) -> None:
