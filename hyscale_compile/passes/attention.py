@@ -104,7 +104,7 @@ def find(scatter: fx.Node) -> sites_.Site:
     if fill is None or not sites_.same_shape(shape(base), shape(scatter)):
         raise Reject("the indices are scattered into a tensor that is not filled with one constant (new_ones, full, "
                      "zeros ...)", scatter)
-    picked = sites_._scalar(arg(scatter, 3, "value", scatter.kwargs.get("src")))
+    picked = sites_.scalar(arg(scatter, 3, "value", scatter.kwargs.get("src")))
     dim = arg(scatter, 1, "dim")
     if not isinstance(dim, int) or dim not in (-1, len(shape(scatter)) - 1):
         raise Reject("the indices are scattered along another dim than the keys (the last)", scatter)

@@ -106,7 +106,7 @@ class Site:
         return source_line(self.scatter)
 
 
-def _scalar(x) -> object:
+def scalar(x) -> object:
     """A number given as a Python number or a 0-d constant tensor made in the graph."""
     if isinstance(x, (bool, int, float)):
         return x
@@ -122,7 +122,7 @@ def is_index_scatter(node: fx.Node) -> bool:
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if name not in ("scatter", "scatter_"):
         return False
-    return isinstance(_scalar(arg(node, 3, "value", node.kwargs.get("src"))), (bool, int, float))
+    return isinstance(scalar(arg(node, 3, "value", node.kwargs.get("src"))), (bool, int, float))
 
 
 def consumer(node: fx.Node, limit: int = 32) -> fx.Node | None:
@@ -393,7 +393,7 @@ def _find_logits(root: fx.Node, chain: set[fx.Node], scatter: fx.Node):
 
 
 def _number(x) -> float | None:
-    v = _scalar(x)
+    v = scalar(x)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
