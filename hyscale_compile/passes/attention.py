@@ -28,9 +28,8 @@ from . import attention_rewrite as rewrite_
 from . import attention_sites as sites_
 from . import debug, inplace
 from .attention_mla import NotLatent, match
-from .graph_ops import arg, dtype, op_name, shape, source_line
+from .graph_ops import _ALIASING, arg, dtype, mutates, op_name, shape, source_line
 from .index_expr import Reject
-from .legality import mutates
 from .report import SiteReport, human_bytes, record, symbolic_bytes
 from .sites import describe
 
@@ -158,10 +157,6 @@ def _functionalize_scatter(graph: fx.Graph, scatter: fx.Node) -> inplace.Undo:
 
 # ---------------------------------------------------------------------------------------------
 # legality beyond the mask
-
-
-_ALIASING = {"getitem", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "identity", "to",
-             "float", "detach"}
 
 
 def _view_base(node):

@@ -19,8 +19,8 @@ from . import masks
 from .attention_masks import MaskPlan, Term
 from .attention_mla import Latent
 from .attention_sites import Site, peel_repeat_kv
-from .graph_ops import is_one, op_name, shape
-from .legality import mutates, requires_grad
+from .graph_ops import is_one, mutates, op_name, shape
+from .legality import requires_grad
 from .rewrite import canonical
 
 

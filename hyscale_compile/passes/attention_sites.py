@@ -372,19 +372,10 @@ def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
 
 def _find_logits(root: fx.Node, chain: set[fx.Node], scatter: fx.Node):
     """The one operand of the softmax's mask arithmetic that is the scaled q.k^T (not built from the scatter)."""
-    found, todo, seen = [], [root], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for a in n.all_input_nodes:
-            if a in chain:
-                todo.append(a)
-            elif same_shape(shape(a), shape(root)) and dtype(a) is not None and dtype(a).is_floating_point:
-                parsed = parse_logits(a)
-                if parsed is not None and all(f[0] is not a for f in found):
-                    found.append((a, parsed))
+    operands = {a for n in chain | {root} for a in n.all_input_nodes if a not in chain}
+    found = [(a, parsed) for a in operands
+             if same_shape(shape(a), shape(root)) and dtype(a) is not None and dtype(a).is_floating_point
+             and (parsed := parse_logits(a)) is not None]
     if len(found) != 1:
         raise Reject("the softmax input is not the scores q.k^T * scale plus the mask" if not found else
                      "the softmax input adds two q.k^T products", scatter)
