@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import lowering  # noqa: F401  (registers torch.ops.hyscale.*)
-from .passes import report, selection
+from .passes import attention, report, selection
 
 COMPILERS = ("inductor", "aot_eager", "eager")
 
@@ -27,11 +27,13 @@ class HyscaleOptions:
 
     debug_dir: write the graph before/after each pass there (and compile without Inductor's caches, so
                that every pass runs and is written).
-    rewrite:   run the selection pass (False: compile the model as Inductor would).
+    rewrite:   run the passes (False: compile the model as Inductor would).
     replay:    save selection indices and rescore them under recomputation (training).
     compiler:  what compiles the rewritten graph: "inductor" (default), "aot_eager" or "eager".
     mode:      Inductor's mode ("max-autotune", ...), for when other options are given too (torch.compile
                refuses ``mode=`` together with ``options=``).
+    attention: run the attention pass after the selection pass (dense attention under a scattered top-k mask
+               becomes hyscale.sparse_attention); False keeps the model's dense attention.
     """
 
     debug_dir: str | None = None
@@ -39,6 +41,7 @@ class HyscaleOptions:
     replay: bool = True
     compiler: str = "inductor"
     mode: str | None = None
+    attention: bool = True
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None, mode: str | None = None
@@ -73,10 +76,10 @@ class HyscaleOptions:
         return opts, _inductor_options(options)
 
 
-_TYPES = {"debug_dir": (str, os.PathLike, type(None)), "rewrite": bool, "replay": bool, "compiler": str,
-          "mode": (str, type(None))}
-_EXPECTED = {"debug_dir": "a path (str) or None", "rewrite": "True or False", "replay": "True or False",
-             "compiler": "a str", "mode": "a str or None"}
+_TYPES = {"debug_dir": (str, os.PathLike, type(None)), "rewrite": bool, "attention": bool, "replay": bool,
+          "compiler": str, "mode": (str, type(None))}
+_EXPECTED = {"debug_dir": "a path (str) or None", "rewrite": "True or False", "attention": "True or False",
+             "replay": "True or False", "compiler": "a str", "mode": "a str or None"}
 
 
 def _check_type(name: str, value: Any) -> None:
@@ -164,9 +167,16 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
     """Dynamo backend entry point."""
     opts, rest = HyscaleOptions.parse(options, mode)
     if opts.rewrite:
-        report.publish(gm, selection.run(gm, debug_dir=opts.debug_dir))
+        reports = selection.run(gm, debug_dir=opts.debug_dir)
+        if opts.attention:
+            sites = attention.run(gm, debug_dir=opts.debug_dir)
+            attention.amend_selection_reports(reports, sites)
+            reports += sites
+        else:
+            report.log.debug("hyscale: options['attention'] is False: the attention pass does not run")
+        report.publish(gm, reports)
     else:
-        report.log.debug("hyscale: options['rewrite'] is False: the selection pass does not run")
+        report.log.debug("hyscale: options['rewrite'] is False: the selection and attention passes do not run")
     if opts.compiler == "eager":
         return gm.forward
     if opts.compiler == "aot_eager":

@@ -17,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.mark.parametrize("script", ["training.py", "tune_replay.py", "recovery.py", "tune_floor_ws.py",
-                                    "tune_descriptors.py", "precision.py", "sparse_attention.py"])
+                                    "tune_descriptors.py", "precision.py", "sparse_attention.py", "model.py"])
 def test_benchmark_smoke_runs(script):
     env = dict(os.environ)
     if not torch.cuda.is_available():

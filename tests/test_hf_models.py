@@ -118,9 +118,12 @@ def test_logits_equal_eager(name):
 def test_every_indexer_site_rewritten(name):
     model, inputs = _build(COUNTER_CASES[name])
     _assert_selection_well_posed(model, inputs)
+    # The selection changes no arithmetic, so logits stay equal to eager's within fp32 rounding also in a bf16 model;
+    # the attention pass changes the order of bf16 sums (tests/test_attention_pass.py compares it), so it is off here.
+    options = {"compiler": "eager", "attention": model.dtype != torch.bfloat16}
     with torch.no_grad():
         expected = model(**inputs).logits
-        actual = torch.compile(model, backend="hyscale", options={"compiler": "eager"})(**inputs).logits
+        actual = torch.compile(model, backend="hyscale", options=options)(**inputs).logits
     torch.testing.assert_close(actual, expected, **LOGITS_TOL)
     sites = indexer_sites(model)
     assert counters["hyscale"]["selection_rewritten"] == sites, dict(counters["hyscale"])

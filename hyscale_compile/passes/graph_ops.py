@@ -82,6 +82,18 @@ _FUNCTIONS: dict[Any, str] = {
     torch.tensor: "tensor",
     torch.triu: "triu",
     torch.tril: "tril",
+    # the attention pass's vocabulary
+    torch.softmax: "softmax",
+    F.softmax: "softmax",
+    F.dropout: "dropout",
+    F.scaled_dot_product_attention: "sdpa",
+    F.linear: "linear",
+    torch.cat: "cat",
+    torch.concat: "cat",
+    torch.split: "split",
+    torch.functional.split: "split",
+    torch.bitwise_or: "or",
+    torch.empty: "empty",
 }
 
 _METHODS: dict[str, str] = {
@@ -97,7 +109,8 @@ _METHODS: dict[str, str] = {
     "scatter_": "scatter", "scatter_add": "scatter", "scatter_add_": "scatter", "logical_and": "and",
     "bitwise_and": "and", "__and__": "and", "logical_or": "or", "le": "le", "lt": "lt", "ge": "ge", "gt": "gt",
     "triu": "triu", "tril": "tril", "new_full": "new_full", "new_ones": "new_ones", "new_zeros": "new_zeros",
-    "new_empty": "new_empty",
+    "new_empty": "new_empty", "softmax": "softmax", "split": "split", "copy_": "copy_", "__or__": "or",
+    "bitwise_or": "or",
 }
 
 # Arguments by position and name, per canonical op (enough for the forms the passes accept).

@@ -339,6 +339,11 @@ def _emit_row(graph: fx.Graph, bound: tuple | None, rows: tuple, place) -> fx.No
     return node
 
 
+def emit_sum(graph: fx.Graph, terms: tuple):
+    """Insert the nodes adding up offset terms (ints and SymInt nodes, as ``causal_offset`` returns them)."""
+    return _emit_sum(graph, terms)
+
+
 def _emit_sum(graph: fx.Graph, terms: tuple):
     total, nodes = 0, []
     for t in terms:
@@ -357,19 +362,25 @@ def _emit_sum(graph: fx.Graph, terms: tuple):
 
 def _causal_offset(p: Pred, leaf: Leaf, sc: Score) -> tuple | None:
     """If ``p`` is exactly ``s - t + c <= 0`` on the score's key and query dims: the offset terms (-c)."""
+    return causal_offset(p, leaf.labels, sc.key, sc.query)
+
+
+def causal_offset(p: Pred, labels: tuple, key, query) -> tuple | None:
+    """If ``p`` is exactly ``s - t + c <= 0`` where ``labels`` (one per dim of the mask ``p`` was read from)
+    names ``key`` (s) and ``query`` (t): the offset terms (-c), for ``emit_sum``; else None."""
     if len(p.leq_zero) != 1:
         return None
     e = p.leq_zero[0]
     if e.tensors:
         return None
-    n = len(leaf.labels)
+    n = len(labels)
     role = {}
     for d, _ in e.coef:
         if d < -n:
             return None
-        role[d] = leaf.labels[n + d]
+        role[d] = labels[n + d]
     coefs = {role[d]: v for d, v in e.coef}
-    if coefs != {sc.key: 1, sc.query: -1}:
+    if coefs != {key: 1, query: -1}:
         return None
     return tuple(_neg_term(t) for t in e.const)
 

@@ -41,6 +41,8 @@ class SiteReport:
     # "file:line" of the graph break after which this graph starts, when graph_input is set and Dynamo broke
     # the user's function before the top-k (filled in by ``annotate_graph_inputs`` from ``source``).
     graph_break: str | None = None
+    # Attention sites: the layout the op runs in ("MLA latent (...)", "per-head (MHA)", "grouped (...)").
+    layout: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -197,6 +199,8 @@ def _facts(r: SiteReport) -> str:
     parts = [f"k={r.k}"]
     if r.rewritten and r.mask_kind != "none":
         parts.append(f"mask: {r.mask_kind}")
+    if r.rewritten and r.layout:
+        parts.append(f"layout: {r.layout}")
     if r.rewritten and r.table_bytes_avoided:
         parts.append(f"score tables not written: {human_bytes(r.table_bytes_avoided)} per call")
     return ", ".join(parts)
@@ -221,16 +225,22 @@ def details(r: SiteReport) -> str:
 
 
 def summary(reports: list[SiteReport]) -> str:
-    what = " ".join(sorted({_what(r) for r in reports})) if reports else "top-k"
-    rewritten = sum(r.rewritten for r in reports)
-    return (f"hyscale: {len(reports)} {what} site{'s' if len(reports) != 1 else ''}, {rewritten} rewritten, "
-            f"{len(reports) - rewritten} left alone")
+    """"hyscale: 2 top-k sites, 2 rewritten, 0 left alone; 3 attention sites, 3 rewritten, 0 left alone"."""
+    kinds = list(dict.fromkeys(r.kind for r in reports)) or ["selection"]
+    parts = []
+    for kind in kinds:
+        of = [r for r in reports if r.kind == kind]
+        rewritten = sum(r.rewritten for r in of)
+        what = _WHAT.get(kind, kind)
+        parts.append(f"{len(of)} {what} site{'s' if len(of) != 1 else ''}, {rewritten} rewritten, "
+                     f"{len(of) - rewritten} left alone")
+    return "hyscale: " + "; ".join(parts)
 
 
 def format_table(reports: list[SiteReport]) -> str:
     """The text of ``explain()``: a summary line, then each site with its decision, facts and reasons."""
     if not reports:
-        return "hyscale: no top-k site found"
+        return "hyscale: no top-k or attention site found"
     lines = [summary(reports)]
     for r in reports:
         lines.append(f"{'rewritten ' if r.rewritten else 'left alone'}  {shown(r.source)}  ({_facts(r)})")

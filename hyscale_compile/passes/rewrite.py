@@ -23,7 +23,7 @@ from .operands import peel
 from .sites import Site
 
 
-def _canonical(graph: fx.Graph, node: fx.Node, labels: tuple, order: tuple) -> fx.Node:
+def canonical(graph: fx.Graph, node: fx.Node, labels: tuple, order: tuple) -> fx.Node:
     """A view of ``node`` with dims in ``order`` (labels); size-1 dims are inserted for missing labels."""
     for d in reversed([i for i, lab in enumerate(labels) if lab is None]):
         node = graph.call_method("squeeze", (node, d))
@@ -54,10 +54,10 @@ class Batching:
 
     def place(self, graph: fx.Graph, node: fx.Node, labels: tuple, rest: tuple, full: bool = False) -> fx.Node:
         if len(self.labels) <= 1:
-            return _canonical(graph, node, labels, (self.labels[0] if self.labels else None, *rest))
+            return canonical(graph, node, labels, (self.labels[0] if self.labels else None, *rest))
         if not full and not set(self.labels) & set(labels):
-            return _canonical(graph, node, labels, (None, *rest))
-        x = _canonical(graph, node, labels, (*self.labels, *rest))
+            return canonical(graph, node, labels, (None, *rest))
+        x = canonical(graph, node, labels, (*self.labels, *rest))
         x = graph.call_method("expand", (x, *self.sizes, *([-1] * len(rest))))
         return graph.call_method("flatten", (x, 0, len(self.labels) - 1))
 

@@ -1,0 +1,184 @@
+"""Model benchmark: one DeepSeek-V3.2 decoder layer (HF transformers, unmodified) at real attention sizes.
+
+The layer is ``DeepseekV32ForCausalLM`` with one decoder layer: hidden 7168, MLA with 128 heads (q_lora 1536,
+kv_lora 512, qk_nope 128, qk_rope 64, v 128), the DSA indexer (64 heads of 128, k = 2048), the dense MLP of
+DeepSeek's first layers (18432), a small vocabulary; bf16, batch 1, SDPA attention, forward + backward of HF's
+own loss. Modes:
+
+    eager            the model as HF runs it: indexer score table [T, 64, S] in fp32, dense attention under the
+                     scattered index mask
+    inductor         torch.compile(backend="inductor")
+    hyscale_select   torch.compile(backend="hyscale", options={"attention": False}): the selection without the
+                     score table, dense attention under the index mask
+    hyscale          torch.compile(backend="hyscale"): the selection, and sparse attention over the k picks in
+                     the absorbed MLA layout (the per-head K and V are never built)
+
+Per row: T, H, k, ms per step of each mode, peak bytes of each mode, the loss (equal across modes up to bf16
+rounding) and the hyscale counters. A mode that runs out of memory is recorded as "OOM at N GiB". The inputs
+run with HF's cache on (``use_cache=True``) and no padding mask, so the model's own mask is the causal rule
+alone: without a cache and a 2-D attention mask HF builds a data-dependent packed-sequence mask of T x S.
+
+    python benchmarks/model.py                       # H200: T = 16384, 32768, 65536; H = 128 and 16
+    python benchmarks/model.py --contexts 16384 --heads 128 --modes hyscale,hyscale_select
+    python benchmarks/model.py --smoke               # tiny config, any device, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a source checkout too
+import hyscale_compile  # noqa: E402, F401  (registers backend="hyscale" where no entry point did)
+
+CONTEXTS = [16384, 32768, 65536]
+HEADS = [128, 16]
+MODES = ["hyscale", "hyscale_select", "inductor", "eager"]  # most telling first when time is short
+MODE_KEYS = {"eager": "eager_ms", "inductor": "inductor_ms", "hyscale_select": "hyscale_select_only_ms",
+             "hyscale": "hyscale_ms"}
+
+LAYER = dict(hidden_size=7168, intermediate_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+             qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=2048,
+             vocab_size=1024)
+SMOKE = dict(hidden_size=64, intermediate_size=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=8, vocab_size=128)
+
+
+def build(heads: int, T: int, smoke: bool, device: str, dtype: torch.dtype):
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    sizes = SMOKE if smoke else LAYER
+    config = DeepseekV32Config(**sizes, num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=heads,
+                               first_k_dense_replace=1, max_position_embeddings=max(T, 4096),
+                               attn_implementation="sdpa", attention_dropout=0.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV32ForCausalLM(config)
+    model = model.to(dtype).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (1, T), generator=g).to(device)
+    return model, dict(input_ids=ids, labels=ids, use_cache=True)
+
+
+def make_fn(mode: str, model, smoke: bool):
+    if mode == "eager":
+        return model
+    if mode == "inductor":  # the smoke run checks the harness, not Inductor's CPU code generation
+        return torch.compile(model, backend="aot_eager" if smoke else "inductor")
+    options = {"attention": mode == "hyscale"}
+    if smoke:
+        options["compiler"] = "aot_eager"
+    return torch.compile(model, backend="hyscale", options=options)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(fn, inputs, iters: int, device: str) -> tuple[float, float]:
+    """(ms per forward + backward step after one warm-up step, which includes compilation; the last loss)."""
+    fn(**inputs).loss.backward()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        loss = fn(**inputs).loss
+        loss.backward()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters, loss.detach().item()
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower()
+
+
+def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str, dtype) -> dict:
+    """{"ms": ms per step or "OOM at N GiB" / "error: ...", "peak": bytes or None, "loss", "counters"}."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = fn = inputs = None
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        model, inputs = build(heads, T, smoke, device, dtype)
+        fn = make_fn(mode, model, smoke)
+        ms, loss = time_steps(fn, inputs, iters, device)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        return {"ms": round(ms, 3), "peak": peak, "loss": loss, "counters": dict(counters["hyscale"])}
+    except Exception as e:  # noqa: BLE001  (an OOM anywhere, compile included, is a result; so is a failure)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        ms = f"OOM at {peak / 2**30:.1f} GiB" if _is_oom(e) else \
+            f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        return {"ms": ms, "peak": peak or None, "loss": None, "counters": dict(counters["hyscale"])}
+    finally:
+        del model, fn, inputs
+        torch._dynamo.reset()
+
+
+def write_results(path: str, device: str, rows: list[dict]) -> None:
+    """results/*.json as every benchmark here writes it: device, versions, date, commit, rows."""
+    import transformers
+
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    commit = os.environ.get("HYSCALE_COMMIT") or subprocess.run(
+        git, capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    doc = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+           "transformers": transformers.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
+           "layer": LAYER, "rows": rows}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny config, print only")
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--heads", default=",".join(map(str, HEADS)))
+    parser.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "model.json"))
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    contexts = [32] if args.smoke else [int(x) for x in args.contexts.split(",")]
+    heads = [4] if args.smoke else [int(x) for x in args.heads.split(",")]
+    k = (SMOKE if args.smoke else LAYER)["index_topk"]
+    modes = args.modes.split(",")
+    start = time.perf_counter()
+    rows = []
+    for H in heads:
+        for T in contexts:
+            if time.perf_counter() - start > args.budget_s:
+                print(f"budget spent: skipping T={T} H={H}")
+                continue
+            row = {"T": T, "H": H, "k": k, **{key: None for key in MODE_KEYS.values()}}  # None: not run
+            for mode in modes:
+                got = run_mode(mode, H, T, args.iters, args.smoke, device, dtype)
+                row[MODE_KEYS[mode]] = got["ms"]
+                row[f"{mode}_peak_bytes"] = got["peak"]
+                row[f"{mode}_loss"] = got["loss"]
+                if mode.startswith("hyscale"):
+                    row[f"{mode}_counters"] = got["counters"]
+                print(f"T={T} H={H} {mode}: {got['ms']} ms, peak {got['peak']}, loss {got['loss']}", flush=True)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if not args.smoke:
+                write_results(args.out, device, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""The attention pass: dense attention under a scattered top-k mask becomes ``hyscale.sparse_attention``.
+
+DSA models (HF DeepSeek-V3.2, GLM-MoE-DSA) scatter each query's selected key positions into a dense [B, T, S]
+mask, combine it with the causal / padding mask, and run dense attention over all S keys. For every such
+scatter of a Dynamo graph and of the checkpoint bodies it calls (run after the selection pass, so the indices
+are usually ``hyscale.select``'s):
+
+  1. the site: the indices' origin, the mask nodes, the attention (``attention_sites``);
+  2. what the mask means, evaluated rather than matched, and what the op needs to compute the same attention,
+     rows without a visible pick included (``attention_masks``); that nothing changes what the op reads
+     between the mask's construction and the attention;
+  3. the rewrite, in the latent MLA layout where the model's structure allows it (``attention_mla``), else on
+     the model's per-head q, k, v (``attention_rewrite``).
+
+A site that fails any step is left exactly as it was, and its report says why. Counters: ``attention_sites``,
+``attention_rewritten``, ``attention_rejected``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import fx
+
+from . import attention_masks as masks_
+from . import attention_rewrite as rewrite_
+from . import attention_sites as sites_
+from . import debug, inplace
+from .attention_mla import NotLatent, match
+from .graph_ops import _ALIASING, arg, dtype, mutates, op_name, shape, source_line
+from .index_expr import Reject
+from .report import SiteReport, human_bytes, record, symbolic_bytes
+from .sites import describe
+
+# Tests set HYSCALE_STRICT=1 so that an internal error fails loudly instead of skipping the site.
+STRICT = os.environ.get("HYSCALE_STRICT", "0") == "1"
+
+
+def _graph_modules(gm: fx.GraphModule):
+    """The graph and every subgraph module it owns (checkpoint bodies, other higher-order op bodies)."""
+    for name, mod in gm.named_modules():
+        if isinstance(mod, fx.GraphModule):
+            yield (name or "graph"), mod
+
+
+def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
+    """Rewrite every provable attention site of ``gm`` and its subgraphs; one report per site."""
+    reports: list[SiteReport] = []
+    dumping = bool(debug_dir) or debug.tracing()
+    for name, sub in list(_graph_modules(gm)):
+        before = sub.print_readable(print_output=False) if dumping else ""
+        found = sites_.candidates(sub.graph)
+        for node in found:
+            if node.graph is sub.graph and node in sub.graph.nodes:
+                reports.append(_run_site(sub, name, node))
+        if any(r.decision == "rewritten" and r.graph == name for r in reports):
+            sub.graph.lint()
+            sub.recompile()
+        if dumping and found:
+            debug.dump(name, before, sub, debug_dir, pass_name="attention")
+    return reports
+
+
+def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node) -> SiteReport:
+    report = SiteReport(graph=graph_name, node=scatter.name, source=source_line(scatter), decision="rejected",
+                        reason="", kind="attention")
+    undo = _functionalize_scatter(gm.graph, scatter)
+    try:
+        consumer = sites_.consumer(scatter)
+        if consumer is not None:  # ``m += causal``, ``full(-inf).triu_(1)``: read in-place updates of fresh tensors
+            undo = _chain(undo, inplace.functionalize_ancestors(gm.graph, consumer))
+        site = find(scatter)
+        report.k = str(site.k)
+        _describe(report, site)
+        plan = masks_.plan(site)
+        report.mask_kind = plan.kind
+        _check_gain(site)
+        latent, why_not = _latent(site)
+        check_no_mutation_between(site, plan, latent)
+        layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
+        rewrite_.rewrite(gm, site, plan, latent)
+        report.decision, report.layout, report.reason = "rewritten", layout, "; ".join(notes)
+    except Exception as err:  # a Reject, or a bug of ours, which must never break the user's compile
+        undo()
+        if not isinstance(err, Reject) and STRICT:
+            raise
+        report.reason = err.reason if isinstance(err, Reject) else (
+            f"hyscale internal error, site left alone (please report): {type(err).__name__}: {err}")
+    record(report)
+    return report
+
+
+def _chain(first: inplace.Undo, second: inplace.Undo) -> inplace.Undo:
+    """One undo for two rewrites: the later one is undone first."""
+    return inplace.Undo(first.targets + second.targets, first.args + second.args)
+
+
+def find(scatter: fx.Node) -> sites_.Site:
+    """The site of an index-mask scatter (Reject when it is not one the op can replace)."""
+    base = scatter.args[0]
+    fill = sites_.constant_fill(base) if op_name(base) in sites_.CONSTANT_TENSORS else None
+    if fill is None or not sites_.same_shape(shape(base), shape(scatter)):
+        raise Reject("the indices are scattered into a tensor that is not filled with one constant (new_ones, full, "
+                     "zeros ...)", scatter)
+    picked = sites_.scalar(arg(scatter, 3, "value", scatter.kwargs.get("src")))
+    dim = arg(scatter, 1, "dim")
+    if not isinstance(dim, int) or dim not in (-1, len(shape(scatter)) - 1):
+        raise Reject("the indices are scattered along another dim than the keys (the last)", scatter)
+    index = arg(scatter, 2, "index")
+    chain, consumer = sites_.mask_chain(scatter)
+    if op_name(consumer) == "sdpa":
+        attention = sites_.sdpa(consumer, scatter)
+    else:
+        attention = sites_.eager(consumer, chain, scatter)
+        chain.discard(consumer)
+    S = shape(attention.k)[2]
+    origin, k = sites_.index_origin(index, S, scatter)
+    site = sites_.Site(scatter, base, index, origin, picked, fill, k, chain, attention)
+    _check_chain_writes(site)
+    return site
+
+
+def _check_chain_writes(site: sites_.Site) -> None:
+    """An in-place mask operation (``m += causal``, ``scores += index_mask``) may write only a mask intermediate or
+    the attention's own scores: a tensor the model reads elsewhere would lose the write with the rewrite."""
+    att = site.attention
+    own = site.chain | {att.logits} | set(att.nodes)
+    for n in site.chain:
+        _, inplace_ = sites_.mask_op(n)
+        if inplace_ and n.args[0] not in own:
+            raise Reject(f"{describe(n)} at {source_line(n)} writes the mask into {n.args[0].name} in place, which "
+                         "the model reads elsewhere", site.scatter)
+        if inplace_ and any(u not in own and u is not att.node for u in n.args[0].users if u is not n):
+            raise Reject(f"{n.args[0].name} is written in place by the mask arithmetic and read elsewhere",
+                         site.scatter)
+
+
+def _functionalize_scatter(graph: fx.Graph, scatter: fx.Node) -> inplace.Undo:
+    """``m = full(-inf); m.scatter_(-1, idx, 0); scores + m``: read the later reads of ``m`` as reads of the scatter,
+    an out-of-place one, when ``m`` is a fresh constant tensor nothing read before (undone on reject)."""
+    undo = inplace.Undo()
+    if scatter.target != "scatter_":
+        return undo
+    base = scatter.args[0]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if op_name(base) not in sites_.CONSTANT_TENSORS or any(order[u] < order[scatter] for u in base.users):
+        return undo
+    undo.targets.append((scatter, scatter.target))
+    scatter.target = "scatter"
+    for u in [u for u in base.users if u is not scatter and order[u] > order[scatter]]:
+        undo.args.append((u, u.args, u.kwargs))
+        u.args = fx.node.map_arg(u.args, lambda x: scatter if x is base else x)
+        u.kwargs = fx.node.map_arg(u.kwargs, lambda x: scatter if x is base else x)
+    return undo
+
+
+# ---------------------------------------------------------------------------------------------
+# legality beyond the mask
+
+
+def _view_base(node):
+    """The tensor ``node`` may share memory with: through views and casts that can return their input."""
+    while isinstance(node, fx.Node) and op_name(node) in _ALIASING and node.args and isinstance(node.args[0], fx.Node):
+        if op_name(node) == "getitem" and not _basic_index(node.args[1]):
+            break
+        node = node.args[0]
+    return node
+
+
+def _basic_index(idx) -> bool:
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in idx)
+
+
+def _written(n: fx.Node):
+    out = n.kwargs.get("out")
+    if out is not None:
+        return out
+    return n.args[0] if n.args else None
+
+
+def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan, latent=None) -> None:
+    """The op reads at the attention what the model read earlier: the indices (at the scatter), its key / pick
+    masks (where it built the mask), eager's q and k (at the q.k^T product), the latent, rope key and
+    up-projection (where it expanded them). Nothing in between may write them (or a tensor they may share memory
+    with)."""
+    graph = site.scatter.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    att = site.attention
+    reads = [(site.index, site.scatter)] + [(t, t) for t in plan.reads()]  # (tensor, where the model read it)
+    if att.kind == "eager":
+        product = next(n for n in att.nodes if op_name(n) == "matmul" and n is not att.node)
+        reads += [(att.q, product), (att.k, product)]
+    if latent is not None:
+        reads += [(x, min(x.users, key=order.get)) for x in (latent.weight, latent.latent, latent.rope)]
+    end = order[att.node]
+    for n in graph.nodes:
+        if order[n] >= end:
+            break
+        if not mutates(n) or n in site.chain:
+            continue
+        w = _view_base(_written(n)) if n.op != "call_module" else None
+        for x, at in reads:
+            if order[n] <= order[at]:
+                continue
+            base = _view_base(x)
+            if n.op == "call_module" or w is base or (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")
+                                                       and base.op in ("placeholder", "get_attr")):
+                raise Reject(f"{describe(n)} at {source_line(n)} may change {x.name} after the model read it and "
+                             "before the attention, where the op would read it", site.scatter)
+
+
+def _check_gain(site: sites_.Site) -> None:
+    """k >= S: every key is picked, and the sparse op would gather all S keys per query where dense attention
+    runs one pass over them: nothing to gain, the site stays dense (the model is unchanged)."""
+    k, S = site.k, shape(site.attention.k)[2]
+    if isinstance(k, int) and isinstance(S, int) and k >= S:
+        raise Reject(f"nothing to gain: k={k} picks per query of S={S} keys select every key, and dense attention "
+                     "reads each key once where a sparse one gathers them per query; attention is left dense",
+                     site.scatter)
+
+
+def _latent(site: sites_.Site):
+    try:
+        return match(site.attention), None
+    except NotLatent as err:
+        return None, str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def _fmt(s) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]" if s is not None else "?"
+
+
+def _describe(report: SiteReport, site: sites_.Site) -> None:
+    att = site.attention
+    report.shapes = {"q": _fmt(shape(att.q)), "k": _fmt(shape(att.k)), "v": _fmt(shape(att.v)),
+                     "indices": _fmt(shape(site.index)), "attention": f"{att.kind} at {source_line(att.node)}",
+                     "selection": source_line(site.origin)}
+    mask = shape(site.scatter)
+    b = symbolic_bytes(*mask) if mask is not None else None
+    report.dense_scatter_bytes = b * dtype(site.scatter).itemsize if b is not None else None
+
+
+def _layout(site: sites_.Site, latent) -> str:
+    if latent is not None:
+        return f"MLA latent ({latent.Dc} + {latent.Dr}, one row for {latent.H} heads)"
+    _, n = sites_.peel_repeat_kv(site.attention.k)
+    H, G = shape(site.attention.q)[1], shape(site.attention.k)[1]
+    return "per-head (MHA)" if n == 1 and G == H else f"grouped ({H} query heads, {G if n == 1 else H // n} kv heads)"
+
+
+def _notes(site: sites_.Site, plan: masks_.MaskPlan, latent, why_not: str | None) -> list[str]:
+    att = site.attention
+    notes = [f"{att.kind} attention at {source_line(att.node)} reads the k={site.k} picks of each query instead of "
+             f"all {shape(att.k)[2]} keys"]
+    if site.scatter is not None and shape(site.scatter) is not None:
+        b = symbolic_bytes(*shape(site.scatter))
+        if b is not None:
+            notes.append(f"the dense index mask ({human_bytes(b * dtype(site.scatter).itemsize)}) and its combination "
+                         "with the model's mask are no longer built")
+    notes.extend(plan.notes)
+    if latent is not None:
+        Dk = latent.Dn + latent.Dr
+        notes.append(f"the key/value up-projection is absorbed into the queries and the output (MLA latent layout): "
+                     f"per-head keys [{latent.H}, S, {Dk}] and values [{latent.H}, S, {latent.Dv}] are not expanded; "
+                     "the scores are the same sums in another order (equal up to rounding)")
+    elif why_not:
+        notes.append(f"the MLA up-projection is not absorbed ({why_not}): the per-head keys and values are gathered")
+    if _additive(site):
+        notes.append("NaN or infinite scores at keys a query does not pick no longer reach its row (the model's "
+                     "additive mask would carry them)")
+    return notes
+
+
+def _additive(site: sites_.Site) -> bool:
+    return dtype(site.attention.mask) != torch.bool
+
+
+
+_STILL_BUILT = "(that mask is still built)"
+
+
+def amend_selection_reports(selection: list[SiteReport], attention: list[SiteReport]) -> None:
+    """A selection report says the model still scatters its indices into a dense mask; where every attention that
+    mask fed was rewritten, it is no longer built: say so (the selection pass runs first and cannot know)."""
+    by_source: dict[str, list[SiteReport]] = {}
+    for r in attention:
+        if r.shapes and "selection" in r.shapes:
+            by_source.setdefault(r.shapes["selection"], []).append(r)
+    for r in selection:
+        sites = by_source.get(r.source)
+        if r.rewritten and sites and all(s.rewritten for s in sites) and _STILL_BUILT in r.reason:
+            r.reason = r.reason.replace(_STILL_BUILT, "(the attention pass no longer builds it: "
+                                        "hyscale.sparse_attention reads the indices)")

@@ -1,0 +1,455 @@
+"""Step 2 of the attention pass: what the mask means, and whether the op computes the same attention.
+
+The mask the attention reads is an expression over two kinds of inputs: the index mask (a constant written at
+the picks into another constant: a function of P = "key s is one of row (b, t)'s picks") and the model's own
+masks (causal, padding, ...: the *partner*, boolean tensors V1, V2, ... that do not depend on the picks). The
+pass evaluates the expression on every combination of P and the V's, as PyTorch would (the dtype's rounding
+included: ``finfo.min + finfo.min`` is ``-inf`` in float32), instead of matching spellings:
+
+* a boolean mask (SDPA) must be ``P and V1 and V2 ...``: visible exactly where picked and visible;
+* an additive mask (SDPA with a float mask, eager ``scores + mask``) must add 0 there, and a value that hides
+  the key (``-inf`` or a huge negative such as ``finfo.min``) everywhere else.
+
+What a row with no visible pick gives follows from the same evaluation: SDPA gives 0 under a boolean or ``-inf``
+mask (``empty="zero"``); a softmax over scores that a ``finfo.min`` absorbed is the mean of v over all keys
+(``empty="mean"``); an eager softmax over ``-inf`` gives NaN, which the op does not reproduce, so that is
+rejected unless no row can be empty.
+
+The partner masks are split into conjunctions and mapped to what the op has: a position predicate
+``s <= t + c`` is the causal kind (``masks.visible_where``); a tensor that varies only over batch and key is
+the [B, S] key mask (padding); anything else over (batch, query, key) is read at the picks, so the op sees it
+as picks dropped from the indices. A mask that differs between heads cannot be expressed (one set of picks is
+shared by the heads of a query).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from . import masks
+from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, mask_op, same_shape
+from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
+from .index_expr import Leaf, Reject
+from .report import input_name
+from .sites import describe
+
+DIMS = ("b", "h", "t", "s")  # the attention's [B, H, T, S]
+_MAX_PARTNERS = 4
+# A fill at or below this hides a key exactly: its softmax weight underflows to 0 next to any visible score.
+_HIDES = -1e4
+# ... and at or below this it also absorbs the score it is added to (x + fill == fill, in fp32 and bf16): a row
+# with nothing visible is then a softmax over equal values, a uniform mean.
+_ABSORBS = -1e30
+
+
+@dataclass(frozen=True)
+class Score:
+    """The attention score plus a constant (eager: ``q.k^T * scale + c``)."""
+
+    c: torch.Tensor
+
+
+@dataclass
+class Term:
+    node: fx.Node
+    labels: tuple
+
+
+@dataclass
+class MaskPlan:
+    empty: str = "zero"
+    # empty="mean" behind a fill *added* to the scores: the model's autograd sends an empty row's q and k a
+    # gradient (lowering.attention_rows), which the op alone does not
+    eager_empty_grad: bool = False
+    causal: bool = False
+    offset_terms: tuple = ()
+    key_terms: list[Term] = field(default_factory=list)  # [B, S] (padding)
+    pick_terms: list[Term] = field(default_factory=list)  # read at the picks
+    kinds: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return " + ".join(self.kinds) or "none"
+
+    def reads(self) -> list[fx.Node]:
+        """Tensors the op reads where the model read them earlier (for the mutation check)."""
+        return [t.node for t in self.key_terms + self.pick_terms]
+
+
+def _labels_for(out_labels: tuple, out_shape, x) -> tuple:
+    """Labels of operand ``x`` of an elementwise op (right-aligned broadcasting; size-1 dims are None)."""
+    sx = shape(x)
+    if sx is None:
+        return ()
+    if len(sx) > len(out_labels):
+        raise Reject("a mask operand has more dims than the attention scores")
+    off = len(out_labels) - len(sx)
+    return tuple(None if is_one(d) else out_labels[off + i] for i, d in enumerate(sx))
+
+
+def _view_input_labels(node: fx.Node, labels: tuple) -> tuple:
+    """Labels of a view's input, given the view's labels (views keep every position's value)."""
+    name = op_name(node)
+    src = node.args[0]
+    si, so = shape(src), shape(node)
+    if name in ("identity", "to", "float") or name == "expand":
+        return _labels_for(labels, so, src)
+    if name == "unsqueeze":
+        d = normalize_dim(arg(node, 1, "dim"), len(so))
+        return labels[:d] + labels[d + 1:]
+    real_in = [i for i, d in enumerate(si) if not is_one(d)]
+    real_out = [j for j, d in enumerate(so) if not is_one(d)]
+    if name == "getitem":
+        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if not all(i is None or i is Ellipsis or i == slice(None) for i in idx):
+            raise Reject(f"a mask is sliced ({node.name}) on its way to the attention")
+    if len(real_in) != len(real_out) or not all(same_size(si[i], so[j]) for i, j in zip(real_in, real_out)):
+        raise Reject(f"a mask is reshaped ({node.name}) beyond adding or removing size-1 dims")
+    out = [None] * len(si)
+    for i, j in zip(real_in, real_out):
+        out[i] = labels[j]
+    return tuple(out)
+
+
+class _Expr:
+    """The mask expression from the attention back to the scatter, the partner masks and the scores."""
+
+    def __init__(self, site: Site):
+        self.site = site
+        att = site.attention
+        self.root = att.mask
+        self.labels: dict[fx.Node, tuple] = {}
+        self.partners: list[Term] = []
+        self.triangles: dict[fx.Node, masks.Pred] = {}  # additive partners: 0 where visible, -inf elsewhere
+        self.consts: dict[fx.Node, object] = {}
+        root_shape = shape(self.root)
+        if root_shape is None or len(root_shape) > 4:
+            raise Reject("the attention mask is not a tensor of at most 4 dims", site.scatter)
+        sq, sk = shape(att.q), shape(att.k)
+        scores = (sq[0], sq[1], sq[2], sk[2])[4 - len(root_shape):]
+        if not all(is_one(d) or same_size(d, n) for d, n in zip(root_shape, scores)):
+            raise Reject("the attention mask has a dim larger than the scores' (it broadcasts the output)",
+                         site.scatter)
+        self._visit(self.root, _labels_for(DIMS, None, self.root))
+
+    def _visit(self, node: fx.Node, labels: tuple) -> None:
+        site = self.site
+        old = self.labels.get(node)
+        if old is not None:
+            if old != labels:
+                raise Reject(f"the mask {node.name} is read with its dims in two different roles", site.scatter)
+            return
+        self.labels[node] = labels
+        if node is site.scatter:
+            self._check_scatter_labels(labels)
+            return
+        if node is site.attention.logits:
+            return
+        if node not in site.chain:
+            self._leaf(node, labels)
+            return
+        name, _ = mask_op(node)
+        if name in VIEWS or name in ("to", "float"):
+            self._visit(node.args[0], _view_input_labels(node, labels))
+            return
+        for a in node.all_input_nodes:
+            self._visit(a, _labels_for(labels, shape(node), a))
+
+    def _leaf(self, node: fx.Node, labels: tuple) -> None:
+        """A tensor not built from the scatter: a constant, or a boolean partner mask, or float arithmetic over
+        those (``where(visible, 0, finfo.min)``)."""
+        if constant_fill(node) is not None and op_name(node) in CONSTANT_TENSORS:
+            self.consts[node] = constant_fill(node)
+            return
+        if dtype(node) == torch.bool:
+            self.partners.append(Term(node, labels))
+            return
+        triangle = masks.additive_visible_where(Leaf(node, labels))
+        if triangle is not None:  # full(-inf).triu(d): 0 where visible, -inf elsewhere
+            self.partners.append(Term(node, labels))
+            self.triangles[node] = triangle
+            return
+        name, inplace = mask_op(node)
+        if name in ("where", "masked_fill", "add", "sub", "to", "float", "invert") or name in VIEWS:
+            if inplace:
+                raise Reject(f"the model's mask is updated in place ({node.name})", self.site.scatter)
+            if name in VIEWS or name in ("to", "float"):
+                self._visit(node.args[0], _view_input_labels(node, labels))
+            else:
+                for a in node.all_input_nodes:
+                    self._visit(a, _labels_for(labels, shape(node), a))
+            return
+        what = f"the graph input `{input_name(node)}`" if node.op == "placeholder" else \
+            f"{describe(node)} ({node.name}, at {source_line(node)})"
+        raise Reject(f"the attention mask adds {what}, a float tensor the pass cannot read as visible / hidden (e.g. "
+                     "a learned bias): the op has no bias input", self.site.scatter)
+
+    def _check_scatter_labels(self, labels: tuple) -> None:
+        if len(labels) < 2 or labels[-1] != "s" or labels[-2] not in ("t", None) or any(
+                lab not in ("b", None) for lab in labels[:-2]):
+            raise Reject("the index mask's dims do not land on the attention's (batch, query, key) dims",
+                         self.site.scatter)
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    def evaluate(self, picked: bool, partners: dict[fx.Node, bool]):
+        memo: dict[fx.Node, object] = {}
+        return self._ev(self.root, picked, partners, memo)
+
+    def _ev(self, node, picked, partners, memo):
+        if not isinstance(node, fx.Node):
+            return node
+        if node in memo:
+            return memo[node]
+        memo[node] = out = self._ev_node(node, picked, partners, memo)
+        return out
+
+    def _ev_node(self, node: fx.Node, picked, partners, memo):
+        site = self.site
+        dt = dtype(node)
+        if node is site.scatter:
+            return _cast(site.picked if picked else site.fill, dt)
+        if node is site.attention.logits:
+            return Score(torch.zeros((), dtype=dt))
+        if node in partners:
+            if node in self.triangles:
+                return _cast(0.0 if partners[node] else float("-inf"), dt)
+            return partners[node]
+        if node in self.consts:
+            return _cast(self.consts[node], dt)
+        name, _ = mask_op(node)
+        ev = lambda x: self._ev(x, picked, partners, memo)  # noqa: E731
+        if name in VIEWS:
+            return ev(node.args[0])
+        if name in ("to", "float"):
+            return _cast(ev(node.args[0]), dt)
+        if name == "invert":
+            x = ev(node.args[0])
+            if not isinstance(x, bool):
+                raise Reject(f"~ of a non-boolean mask ({node.name})", site.scatter)
+            return not x
+        if name in ("and", "or"):
+            a, b = ev(node.args[0]), ev(node.args[1])
+            if not (isinstance(a, bool) and isinstance(b, bool)):
+                raise Reject(f"& or | of non-boolean masks ({node.name})", site.scatter)
+            return (a and b) if name == "and" else (a or b)
+        if name == "masked_fill":
+            cond = ev(arg(node, 1, "mask"))
+            if not isinstance(cond, bool):
+                raise Reject(f"masked_fill with a non-boolean mask ({node.name})", site.scatter)
+            fill = _number(ev(arg(node, 2, "value")))
+            if fill is None:
+                raise Reject(f"masked_fill with a fill that is not a constant ({node.name})", site.scatter)
+            return _cast(fill, dt) if cond else _cast(ev(node.args[0]), dt)
+        if name == "where":
+            cond = ev(arg(node, 0, "condition"))
+            if not isinstance(cond, bool):
+                raise Reject(f"where with a non-boolean condition ({node.name})", site.scatter)
+            return _cast(ev(arg(node, 1, "input") if cond else arg(node, 2, "other")), dt)
+        if name in ("add", "sub"):
+            if arg(node, 2, "alpha", 1) != 1:
+                raise Reject(f"add / sub with alpha in the mask ({node.name})", site.scatter)
+            a, b = ev(node.args[0]), ev(node.args[1])
+            return _add(a, b, name == "sub", dt, node, site.scatter)
+        raise Reject(f"the mask goes through {describe(node)} ({node.name}), which the pass does not read",
+                     site.scatter)
+
+
+def _number(x) -> float | None:
+    if isinstance(x, bool):
+        return float(x)
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, torch.Tensor) and x.dim() == 0:
+        return float(x)
+    return None
+
+
+def _cast(x, dt):
+    """A value as the tensor of dtype ``dt`` holds it (bool, a 0-d tensor, or the score plus a 0-d tensor)."""
+    if isinstance(x, Score):
+        return Score(x.c.to(dt)) if dt is not None and dt.is_floating_point else x
+    if dt == torch.bool:
+        if isinstance(x, torch.Tensor):
+            return bool(x != 0)
+        return bool(x)
+    if dt is None:
+        return x
+    return torch.tensor(x, dtype=dt) if not isinstance(x, torch.Tensor) else x.to(dt)
+
+
+def _add(a, b, subtract: bool, dt, node: fx.Node, scatter: fx.Node):
+    sa, sb = isinstance(a, Score), isinstance(b, Score)
+    if sa and sb or sb and subtract:
+        raise Reject(f"the mask arithmetic ({node.name}) adds the scores twice or subtracts them", scatter)
+    ca = a.c if sa else _cast(a, dt)
+    cb = b.c if sb else _cast(b, dt)
+    c = (ca.to(dt) - cb.to(dt)) if subtract else (ca.to(dt) + cb.to(dt))
+    return Score(c) if sa or sb else c
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def plan(site: Site) -> MaskPlan:
+    _check_scatter_shape(site)
+    expr = _Expr(site)
+    partners = list({id(t.node): t for t in expr.partners}.values())
+    if len(partners) > _MAX_PARTNERS:
+        raise Reject(f"the attention mask combines {len(partners)} masks with the index mask", site.scatter)
+    table = {}
+    for picked, *vs in itertools.product((False, True), repeat=len(partners) + 1):
+        env = {t.node: v for t, v in zip(partners, vs)}
+        table[(picked, *vs)] = expr.evaluate(picked, env)
+    out = MaskPlan()
+    additive = _check_table(site, table)
+    for t in partners:
+        if t.node in expr.triangles:
+            _triangle(site, expr.triangles[t.node], t.labels, out)
+        else:
+            _split(site, t.node, t.labels, out)
+    # With the model's own mask in play a row may have no visible pick; without it every row keeps its k picks.
+    _empty_rule(site, table, additive, rows_can_be_empty=bool(partners), out=out)
+    if out.pick_terms:
+        out.notes.append("the model's mask varies over queries and keys in a way that is not a position rule: it is "
+                         "read at the picks only, and picks it hides are dropped")
+    return out
+
+
+def _check_scatter_shape(site: Site) -> None:
+    sc, idx = shape(site.scatter), shape(site.index)
+    att = site.attention
+    sq, sk = shape(att.q), shape(att.k)
+    B, T, S = sq[0], sq[2], sk[2]
+    if sc is None or len(sc) not in (2, 3) or idx is None or len(idx) != len(sc):
+        raise Reject("the index mask is not [batch, queries, keys]", site.scatter)
+    if not (same_size(sc[-1], S) and same_size(sc[-2], T) and (len(sc) == 2 or same_size(sc[0], B) or is_one(sc[0]))):
+        raise Reject(f"the index mask {list(sc)} does not match the attention's queries and keys ({T}, {S})",
+                     site.scatter)
+    if not same_shape(idx[:-1], sc[:-1]):
+        raise Reject("the scattered indices cover only part of the index mask's rows", site.scatter)
+
+
+def _check_table(site: Site, table: dict) -> bool:
+    """The mask is visible exactly at picked-and-visible keys; returns whether it is additive."""
+    visible = {key: all(key) for key in table}  # picked and every partner visible
+    values = list(table.values())
+    if all(isinstance(v, bool) for v in values):
+        if all(table[key] == visible[key] for key in table):
+            return False
+        raise Reject(_polarity_reason(site, table), site.scatter)
+    if any(isinstance(v, bool) for v in values):
+        raise Reject("the attention mask mixes boolean and additive parts", site.scatter)
+    eager = site.attention.kind == "eager"
+    for key, v in table.items():
+        c = v.c if isinstance(v, Score) else v
+        if visible[key]:
+            if float(c) != 0.0 or eager != isinstance(v, Score):
+                raise Reject(_polarity_reason(site, table), site.scatter)
+        elif not float(c) <= _HIDES:
+            raise Reject(_polarity_reason(site, table) if float(c) == 0.0 else
+                         f"the mask hides keys by adding {float(c):g}, which does not hide them exactly (a softmax "
+                         "weight of exp(score - 1e4 ...) is not 0); use -inf or torch.finfo(dtype).min",
+                         site.scatter)
+    return True
+
+
+def _polarity_reason(site: Site, table: dict) -> str:
+    picked_only = {k: v for k, v in table.items() if all(k[1:])}
+    shown = ", ".join(f"{'picked' if k[0] else 'not picked'} -> {_show(v)}" for k, v in picked_only.items())
+    return (f"the mask built from the scattered indices does not keep exactly the picked keys (where the model's "
+            f"own mask is visible: {shown}); check the polarity of the scatter (True/0 at the picks) and of its "
+            "combination (mask & ~index_mask, masked_fill(index_mask, min))")
+
+
+def _show(v) -> str:
+    if isinstance(v, bool):
+        return "visible" if v else "hidden"
+    if isinstance(v, Score):
+        return f"score + {float(v.c):g}"
+    return f"{float(v):g}"
+
+
+def _empty_rule(site: Site, table: dict, additive: bool, rows_can_be_empty: bool, out: MaskPlan) -> None:
+    """What a row with no visible pick gives in the model: 0, or the mean of v over all keys."""
+    att = site.attention
+    if not additive or not rows_can_be_empty:
+        out.empty = "zero"  # SDPA under a boolean mask gives 0 for a row with nothing visible; or no row is empty
+        return
+    # (value, whether the score is added to it): SDPA adds its float mask; eager may add or replace
+    hidden = [(float(v.c), True) if isinstance(v, Score) else (float(v), att.kind == "sdpa")
+              for k, v in table.items() if not all(k)]
+    fills = {f for f, _ in hidden}
+    if fills == {float("-inf")}:
+        if att.kind == "sdpa":
+            out.empty = "zero"  # SDPA's softmax gives 0 for a row whose keys are all -inf
+            return
+        raise Reject("the eager softmax over a row whose keys are all -inf gives NaN, which the op does not "
+                     "reproduce, and rows with no visible pick can occur here; fill with torch.finfo(dtype).min",
+                     site.scatter)
+    (fill,) = fills if len(fills) == 1 else (None,)
+    if fill is not None and fill > float("-inf") and all(not added or fill <= _ABSORBS for _, added in hidden):
+        out.empty = "mean"
+        out.eager_empty_grad = any(added for _, added in hidden)
+        out.notes.append(f"hidden keys are filled with {fill:g}: a row with no visible pick gives the mean of v over "
+                         "all keys, as the model's softmax does")
+        return
+    raise Reject(f"hidden keys carry the values {sorted(fills)}: a row with no visible pick would be neither 0 nor "
+                 "a plain mean of v in the model", site.scatter)
+
+
+# ---------------------------------------------------------------------------------------------
+# the partner masks
+
+
+def _split(site: Site, node: fx.Node, labels: tuple, out: MaskPlan) -> None:
+    """Split a boolean partner mask into a conjunction and map each term onto the op's arguments."""
+    name = op_name(node)
+    if name == "and":
+        for a in node.args[:2]:
+            if isinstance(a, fx.Node):
+                _split(site, a, _labels_for(labels, shape(node), a), out)
+        return
+    if name in ("identity", "expand", "to", "unsqueeze", "squeeze", "reshape", "getitem") and \
+            dtype(node.args[0]) == torch.bool:
+        try:
+            inner = _view_input_labels(node, labels)
+        except Reject:  # e.g. an advanced index (HF's padding mask read at [batch, key]): a tensor of its own
+            inner = None
+        if inner is not None:
+            _split(site, node.args[0], inner, out)
+            return
+    fill = constant_fill(node)
+    if fill is not None and op_name(node) in CONSTANT_TENSORS:
+        if bool(fill):
+            return
+        raise Reject("the model's mask hides every key", site.scatter)
+    present = {lab for lab in labels if lab is not None}
+    if "h" in present:
+        raise Reject(f"the model's mask ({node.name}, at {source_line(node)}) differs between heads, and one set of "
+                     "picks serves all the heads of a query", site.scatter)
+    if present <= {"b", "s"}:
+        out.key_terms.append(Term(node, labels))
+        out.kinds.append("key mask")
+        return
+    pred = masks.visible_where(Leaf(node, labels))
+    terms = masks.causal_offset(pred, labels, "s", "t") if pred is not None else None
+    if terms is not None and not out.causal:
+        out.causal, out.offset_terms = True, terms
+        out.kinds.append("causal")
+        return
+    out.pick_terms.append(Term(node, labels))
+    out.kinds.append("mask read at the picks")
+
+
+def _triangle(site: Site, pred: masks.Pred, labels: tuple, out: MaskPlan) -> None:
+    terms = masks.causal_offset(pred, labels, "s", "t")
+    if terms is None or out.causal:
+        raise Reject("the model adds a -inf triangle that is not one causal limit on (query, key)", site.scatter)
+    out.causal, out.offset_terms = True, terms
+    out.kinds.append("causal (additive)")

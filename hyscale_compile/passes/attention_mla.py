@@ -1,0 +1,172 @@
+"""The absorbed (latent) MLA layout: one gathered row of ``[c_kv, k_rope]`` serves every head.
+
+HF's DeepSeek-V3.2 / GLM-MoE-DSA attention expands the latent per head before attention (``expand_kv``)::
+
+    kv    = kv_b_proj(c_kv).view(B, S, H, Dn + Dv).transpose(1, 2)      # [B, H, S, Dn + Dv], no bias
+    k_nope, v = kv.split([Dn, Dv], -1)
+    k     = cat(k_nope, k_rope.expand(-1, H, -1, -1))                  # or new_empty + copy_ into slices
+    q     = [q_nope, q_rope]                                           # [B, H, T, Dn + Dr]
+
+With W = kv_b_proj.weight viewed [H, Dn + Dv, Dc], W_uk = W[:, :Dn], W_uv = W[:, Dn:], for every head h
+
+    q . k_s  = (q_nope W_uk[h]) . c_s + q_rope . r_s        out = (sum_s p_s c_s) W_uv[h]^T
+
+so the attention can run on q' = [q_nope W_uk[h], q_rope] against one latent row [c_s, r_s] (the op's G = 1
+layout, v = its first Dc features), and the output is projected per head after (as FlashMLA, TileLang's sparse
+MLA and Megatron's absorbed MLA do). The scores are the same numbers up to the order of the sums: the scale is
+unchanged. Legal when the expanded K and V have no other reader (nothing else needs them to exist), the
+projection has no bias, and the dtypes agree; ``match`` checks that and names what it would erase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from .attention_sites import Attention, peel_repeat_kv
+from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape
+
+
+@dataclass
+class Latent:
+    weight: fx.Node  # [H * (Dn + Dv), Dc]
+    latent: fx.Node  # c_kv, [B, 1, S, Dc] or [B, S, Dc]
+    rope: fx.Node  # k_rope before its expansion over heads, [B, 1, S, Dr]
+    H: int
+    Dn: int
+    Dv: int
+    Dc: int
+    Dr: int
+    expanded: fx.Node  # the per-head kv [B, H, S, Dn + Dv]: what no longer needs to exist
+
+
+class NotLatent(Exception):
+    """Why the absorbed layout does not apply (the site keeps the per-head gather layout)."""
+
+
+def _slice_of(node) -> tuple[fx.Node, int, int]:
+    """(x, lo, hi) for ``x.split(...)[i]`` or ``x[..., lo:hi]`` along the last dim."""
+    if op_name(node) == "getitem" and isinstance(node.args[1], int) and op_name(node.args[0]) == "split":
+        sp = node.args[0]
+        x, sizes, dim = sp.args[0], arg(sp, 1, "split_size_or_sections"), arg(sp, 2, "dim", 0)
+        if shape(x) is None or not isinstance(dim, int) or normalize_dim(dim, len(shape(x))) != len(shape(x)) - 1:
+            raise NotLatent("the key / value split is not along the features")
+        if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes):
+            raise NotLatent("the key / value split sizes are not constants")
+        i = node.args[1]
+        return x, sum(sizes[:i]), sum(sizes[:i + 1])
+    if op_name(node) == "getitem" and isinstance(node.args[1], tuple) and len(node.args[1]) == 2 and \
+            node.args[1][0] is Ellipsis and isinstance(node.args[1][1], slice):
+        x, sl = node.args[0], node.args[1][1]
+        n = shape(x)[-1] if shape(x) else None
+        lo, hi = sl.start or 0, n if sl.stop is None else sl.stop
+        if sl.step not in (None, 1) or not isinstance(n, int) or not isinstance(hi, int):
+            raise NotLatent("the key / value slice is not a plain range")
+        return x, lo, min(hi, n)
+    raise NotLatent(f"{node.name} is not a slice of a per-head projection")
+
+
+def _expansion(kv: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int, int]:
+    """kv = linear(c, W, None).view(B, S, H, X).transpose(1, 2): (linear, W, c, H, X)."""
+    if op_name(kv) != "transpose" or {normalize_dim(d, 4) for d in kv.args[1:3]} != {1, 2}:
+        raise NotLatent("the per-head keys are not a transposed view of a projection")
+    view = kv.args[0]
+    if op_name(view) != "reshape" or shape(view) is None or len(shape(view)) != 4:
+        raise NotLatent("the per-head keys are not a [B, S, H, D] view of a projection")
+    lin = view.args[0]
+    if op_name(lin) != "linear" or arg(lin, 2, "bias") is not None:
+        raise NotLatent("the keys are not a projection without bias (kv_b_proj)")
+    B, S, H, X = shape(view)
+    lead = [d for d in shape(lin)[:-1] if not is_one(d)]
+    expect = [d for d in (B, S) if not is_one(d)]
+    if not (isinstance(H, int) and isinstance(X, int) and shape(lin)[-1] == H * X and len(lead) == len(expect)
+            and all(same_size(a, b) for a, b in zip(lead, expect))):
+        raise NotLatent("the projection's output is not split into [heads, features]")
+    c, w = arg(lin, 0, "input"), arg(lin, 1, "weight")
+    if shape(w) is None or len(shape(w)) != 2 or shape(c) is None:
+        raise NotLatent("the projection's weight is not a matrix")
+    if len(view.users) != 1 or len(lin.users) != 1:
+        raise NotLatent("the projection's output is read elsewhere")
+    return lin, w, c, H, X
+
+
+def _rope(node: fx.Node, H: int) -> fx.Node:
+    """r for ``r.expand(-1, H, -1, -1)`` with r [B, 1, S, Dr]."""
+    if op_name(node) != "expand" or shape(node.args[0]) is None or len(shape(node.args[0])) != 4 or not is_one(
+            shape(node.args[0])[1]):
+        raise NotLatent("the rope part of the keys is not one key expanded over the heads")
+    return node.args[0]
+
+
+def _key_parts(k: fx.Node, att: Attention) -> tuple[fx.Node, fx.Node]:
+    """(k_nope, k_rope_expanded) of ``cat((k_nope, k_rope), -1)`` or of a ``new_empty`` buffer written by two
+    ``copy_`` into its ``[..., :Dn]`` and ``[..., Dn:]`` slices (HF's ``expand_kv``)."""
+    if op_name(k) == "cat":
+        parts, dim = k.args[0], arg(k, 1, "dim", 0)
+        if normalize_dim(dim, 4) != 3 or len(parts) != 2:
+            raise NotLatent("the keys are not [k_nope, k_rope] along the features")
+        return parts[0], parts[1]
+    if op_name(k) != "new_empty":
+        raise NotLatent("the keys are neither a concatenation nor a buffer written in two parts")
+    writes = {}
+    for u in k.users:
+        if u is att.node or u in att.nodes:
+            continue
+        x, lo, hi = _slice_of(u)
+        copies = list(u.users)
+        if len(copies) != 1 or op_name(copies[0]) != "copy_" or copies[0].args[0] is not u or copies[0].users:
+            raise NotLatent("the key buffer is read or written other than by two copies")
+        writes[(lo, hi)] = copies[0].args[1]
+    n = shape(k)[-1]
+    if len(writes) != 2:
+        raise NotLatent("the key buffer is not written in exactly two parts")
+    (a, b) = sorted(writes)
+    if a[0] != 0 or a[1] != b[0] or b[1] != n:
+        raise NotLatent("the key buffer's two parts do not cover it")
+    order = {x: i for i, x in enumerate(k.graph.nodes)}
+    copies = [c for u in k.users if op_name(u) == "getitem" for c in u.users]
+    if any(order[c] > order[att.node] for c in copies):
+        raise NotLatent("the key buffer is written after the attention")
+    return writes[a], writes[b]
+
+
+def match(att: Attention) -> Latent:
+    """The latent form of this attention's k and v, or NotLatent with the reason."""
+    v, n_rep = peel_repeat_kv(att.v)
+    try:
+        kv, lo_v, hi_v = _slice_of(v)
+        if n_rep != 1 or op_name(kv) != "transpose" or op_name(kv.args[0]) != "reshape" or op_name(
+                kv.args[0].args[0]) != "linear":
+            raise NotLatent("")
+    except NotLatent:  # not the MLA shape at all: nothing to say
+        raise NotLatent("") from None
+    lin, w, c, H, X = _expansion(kv)
+    k_nope, k_rope = _key_parts(att.k, att)
+    kv2, lo_k, hi_k = _slice_of(k_nope)
+    if kv2 is not kv or lo_k != 0 or hi_k != lo_v or hi_v != shape(kv)[-1]:
+        raise NotLatent("the keys and values are not the two parts of one per-head projection")
+    Dn, Dv = hi_k, hi_v - lo_v
+    r = _rope(k_rope, H)
+    Dc, Dr = shape(w)[1], shape(r)[-1]
+    if shape(w)[0] != H * X or shape(c)[-1] != Dc:
+        raise NotLatent("the projection's weight does not match [heads * (nope + v), latent]")
+    if shape(att.q)[1] != H or shape(att.q)[-1] != Dn + Dr:
+        raise NotLatent("the queries are not [q_nope, q_rope] per head")
+    if not (dtype(w) == dtype(c) == dtype(r) == dtype(att.q)):
+        raise NotLatent(f"the latent ({dtype(c)}), the rope key ({dtype(r)}), the weight ({dtype(w)}) and the queries "
+                        f"({dtype(att.q)}) differ in dtype")
+    c_shape = shape(c)
+    if len(c_shape) == 4 and not is_one(c_shape[1]) or len(c_shape) not in (3, 4):
+        raise NotLatent("the latent is not [B, S, Dc] or [B, 1, S, Dc]")
+    readers = {u for u in kv.users if op_name(u) not in ("split", "new_empty", "getitem")}
+    if readers:
+        raise NotLatent("the per-head keys and values are read elsewhere")
+    for part in (v, k_nope):
+        others = [u for u in part.users if u is not att.node and u not in att.nodes and op_name(u) not in (
+            "copy_", "cat")]
+        if others:
+            raise NotLatent("the per-head keys or values are read elsewhere")
+    if op_name(att.k) == "cat" and any(u is not att.node and u not in att.nodes for u in att.k.users):
+        raise NotLatent("the per-head keys are read elsewhere")
+    return Latent(w, c, r, H, Dn, Dv, Dc, Dr, kv)

@@ -1,0 +1,188 @@
+"""Step 3 of the attention pass: replace a proven site by ``torch.ops.hyscale.sparse_attention``.
+
+The op takes q [B, T, H, D], k [B, S, G, D], v [B, S, G, Dv] (transposed views of the model's [B, H, T, D]
+tensors; HF's ``repeat_kv`` is read back to its G key heads), the picks [B, T, K] as the model scattered them,
+the causal offset, a [B, S] key mask, and what an empty row gives. A model mask that is no position rule and no
+key mask is read at the picks, and the picks it hides are set to -1 (the op drops them). In the latent MLA
+layout (``attention_mla``) the up-projection is folded into q and applied to the output. The output is put
+back as the model's [B, H, T, Dv]; the dense masks, and what only fed them, are erased.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from . import masks
+from .attention_masks import MaskPlan, Term
+from .attention_mla import Latent
+from .attention_sites import Site, peel_repeat_kv
+from .graph_ops import is_one, mutates, op_name, shape
+from .legality import requires_grad
+from .rewrite import canonical
+
+
+def _size(graph: fx.Graph, node: fx.Node, dim: int):
+    s = shape(node)[dim]
+    return s if isinstance(s, int) else graph.call_method("size", (node, dim))
+
+
+def _place(graph: fx.Graph, term: Term, order: tuple, sizes: tuple) -> fx.Node:
+    """``term`` (labels per dim, None = size 1) as a tensor with dims ``order``, expanded to ``sizes``."""
+    return graph.call_method("expand", (canonical(graph, term.node, term.labels, order), *sizes))
+
+
+def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | None) -> None:
+    graph = gm.graph
+    att = site.attention
+    existing = set(graph.nodes)
+    try:
+        with graph.inserting_before(att.node):
+            result = _emit(graph, site, plan, latent)
+    except Exception:
+        for n in reversed([n for n in graph.nodes if n not in existing]):
+            graph.erase_node(n)
+        raise
+    for n in graph.nodes:
+        if n not in existing:
+            for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+                if key in site.scatter.meta and key not in n.meta:
+                    n.meta[key] = site.scatter.meta[key]
+    att.node.replace_all_uses_with(result)
+    dead = [att.node, *att.nodes, *site.chain]
+    if latent is not None:
+        dead.append(latent.expanded)
+    erase_dead(graph, dead)
+
+
+def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) -> fx.Node:
+    att = site.attention
+    q = att.q
+    B, T = _size(graph, q, 0), _size(graph, q, 2)
+    S = _size(graph, att.k, 2)
+    idx = site.index
+    if len(shape(idx)) == 2:
+        idx = graph.call_method("unsqueeze", (idx, 0))
+    if is_one(shape(idx)[0]) and not is_one(shape(q)[0]):
+        idx = graph.call_method("expand", (idx, B, -1, -1))
+    if plan.pick_terms:
+        seen = None
+        for term in plan.pick_terms:
+            m = _place(graph, term, ("b", "t", "s"), (B, T, S))
+            seen = m if seen is None else graph.call_function(torch.logical_and, (seen, m))
+        kept = graph.call_method("gather", (seen, -1, graph.call_method("long", (idx,))))
+        idx = graph.call_function(torch.where, (kept, idx, -1))
+    key_mask = None
+    for term in plan.key_terms:
+        m = _place(graph, term, ("b", "s"), (B, S))
+        key_mask = m if key_mask is None else graph.call_function(torch.logical_and, (key_mask, m))
+    offset = masks.emit_sum(graph, plan.offset_terms) if plan.causal else 0
+    if latent is not None:
+        qx, kx, vx = _latent_operands(graph, att.q, latent)
+    else:
+        qx = graph.call_method("transpose", (q, 1, 2))
+        kx, vx = (_kv_operand(graph, x, B, shape(q)[0]) for x in (att.k, att.v))
+    out = graph.call_function(torch.ops.hyscale.sparse_attention.default, (
+        qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
+    o = graph.call_function(operator.getitem, (out, 0))
+    if plan.eager_empty_grad and any(requires_grad(x) for x in (att.q, att.k, att.v)):
+        lse = graph.call_function(operator.getitem, (out, 1))
+        o = graph.call_function(torch.ops.hyscale.empty_rows_like_eager.default, (o, qx, kx, vx, lse,
+                                                                                  float(att.scale)))
+    if latent is not None:  # out_lat [B, T, H, Dc] -> per head W_uv[h]: [B, T, H, Dv]
+        w_uv = graph.call_function(operator.getitem, (
+            _weight_heads(graph, latent), (slice(None), slice(latent.Dn, None))))
+        o = graph.call_function(torch.einsum, ("bthc,hvc->bthv", o, w_uv))
+    return graph.call_method("transpose", (o, 1, 2))
+
+
+def _kv_operand(graph: fx.Graph, x: fx.Node, B, q_batch) -> fx.Node:
+    """[B, Hk, S, D] (HF's repeat_kv read back to its Hk key heads) as the op's [B, S, G, D]."""
+    x, _ = peel_repeat_kv(x)
+    if is_one(shape(x)[0]) and not is_one(q_batch):  # keys shared by the batch: broadcast as SDPA does
+        x = graph.call_method("expand", (x, B, -1, -1, -1))
+    return graph.call_method("transpose", (x, 1, 2))
+
+
+def _weight_heads(graph: fx.Graph, latent: Latent) -> fx.Node:
+    return graph.call_method("view", (latent.weight, latent.H, latent.Dn + latent.Dv, latent.Dc))
+
+
+def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr]; kv = [c, r] [B, S, 1, Dc + Dr]; v = kv[..., :Dc]."""
+    Dn, Dc = latent.Dn, latent.Dc
+    qt = graph.call_method("transpose", (q, 1, 2))
+    q_nope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(None, Dn))))
+    q_rope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(Dn, None))))
+    w_uk = graph.call_function(operator.getitem, (_weight_heads(graph, latent), (slice(None), slice(None, Dn))))
+    q_lat = graph.call_function(torch.einsum, ("bthn,hnc->bthc", q_nope, w_uk))
+    qx = graph.call_function(torch.cat, ([q_lat, q_rope], -1))
+    c = latent.latent
+    c = graph.call_method("unsqueeze", (c, 2)) if len(shape(c)) == 3 else graph.call_method("transpose", (c, 1, 2))
+    r = graph.call_method("transpose", (latent.rope, 1, 2))
+    kx = graph.call_function(torch.cat, ([c, r], -1))
+    vx = graph.call_function(operator.getitem, (kx, (Ellipsis, slice(None, Dc))))
+    return qx, kx, vx
+
+
+# ---------------------------------------------------------------------------------------------
+# what only fed the dense attention
+
+_PURE = {"unsqueeze", "squeeze", "expand", "reshape", "getitem", "to", "float", "identity", "invert", "and", "or",
+         "masked_fill", "where", "add", "sub", "mul", "div", "matmul", "softmax", "dropout", "transpose", "permute",
+         "scatter", "new_ones", "new_zeros", "new_full", "new_empty", "ones", "zeros", "full", "empty", "ones_like",
+         "zeros_like", "full_like", "empty_like", "arange", "le", "lt", "ge", "gt", "linear", "split", "cat",
+         "tensor", "sdpa", "detach"}
+_CREATORS = {"new_empty", "empty", "new_zeros", "zeros", "new_ones", "ones", "new_full", "full", "empty_like",
+             "zeros_like", "ones_like", "full_like"}
+
+
+def _removable(n: fx.Node) -> bool:
+    if n.users or n.op not in ("call_function", "call_method"):
+        return False
+    return op_name(n) in _PURE and not mutates(n)
+
+
+def _dead_buffer(n: fx.Node) -> list[fx.Node] | None:
+    """A tensor this graph created, read only by views of it that only in-place writes read, and those writes read
+    by nothing: the whole group (a buffer written and never read, e.g. HF's key buffer once the attention that read
+    it is gone)."""
+    if op_name(n) not in _CREATORS:
+        return None
+    group, todo = [n], list(n.users)
+    while todo:
+        u = todo.pop()
+        if u in group:
+            continue
+        if u.users and op_name(u) in ("getitem", "reshape", "transpose", "unsqueeze", "expand") and u.args[0] in group:
+            group.append(u)
+            todo.extend(u.users)
+        elif not u.users and mutates(u) and u.op == "call_method" and u.args and u.args[0] in group:
+            group.append(u)
+        else:
+            return None
+    return group
+
+
+def erase_dead(graph: fx.Graph, roots: list[fx.Node]) -> None:
+    """Erase ``roots`` and what only they read, where nothing else reads it and it has no side effect."""
+    todo, erased = list(dict.fromkeys(roots)), set()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    while todo:
+        n = todo.pop()
+        if n in erased or n.graph is not graph:
+            continue
+        if _removable(n):
+            todo.extend(n.all_input_nodes)
+            graph.erase_node(n)
+            erased.add(n)
+            continue
+        group = _dead_buffer(n)
+        if group:
+            inputs = {a for g in group for a in g.all_input_nodes} - set(group)
+            for g in sorted(group, key=lambda x: -order[x]):
+                graph.erase_node(g)
+                erased.add(g)
+            todo.extend(inputs)

@@ -1,0 +1,458 @@
+"""Step 1 of the attention pass: the sites.
+
+A site is a ``scatter`` of a selection's indices into a constant-filled tensor (the *index mask*, e.g. HF's
+``idx.new_ones((B, T, S), dtype=bool).scatter(-1, idx.long(), False)``) whose value reaches one attention
+through mask operations: views, ``~``, ``&``, ``|``, ``masked_fill``, ``where``, ``+``. The attention is
+``scaled_dot_product_attention`` reading the mask as ``attn_mask``, or the eager chain
+``matmul(q, k^T) * scale (+ mask) -> softmax -> [.to] -> [dropout] -> matmul(., v)``.
+
+This module finds the parts (where the indices come from, which nodes build the mask, the attention's q, k, v
+and scale) and rejects what is not that shape; ``attention_masks`` reads what the mask means.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
+from .index_expr import Reject
+from .report import input_name
+from .sites import describe
+
+# In-place forms of mask operations (``index_mask += causal``, ``scores += index_mask``): read as the
+# out-of-place op when the tensor they write is a mask intermediate (checked by ``Site.check_readers``).
+_INPLACE = {operator.iadd: "add", operator.isub: "sub", operator.iand: "and", operator.ior: "or"}
+_INPLACE_METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "logical_and_": "and",
+                    "logical_or_": "or", "bitwise_and_": "and", "bitwise_or_": "or"}
+
+# What a mask passes through on its way from the scatter to the attention.
+MASK_OPS = {"unsqueeze", "squeeze", "expand", "reshape", "getitem", "to", "float", "identity", "invert", "and", "or",
+            "masked_fill", "where", "add", "sub"}
+VIEWS = {"unsqueeze", "squeeze", "expand", "reshape", "getitem", "identity"}
+
+# Tensors filled with one constant: what a scatter writes into, and constants inside masks.
+CONSTANT_TENSORS = {"ones": 1, "ones_like": 1, "new_ones": 1, "zeros": 0, "zeros_like": 0, "new_zeros": 0,
+                    "full": None, "full_like": None, "new_full": None, "tensor": None}
+
+
+def same_shape(a, b) -> bool:
+    """Two shapes provably equal (symbolic sizes compared without adding guards)."""
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def mask_op(node) -> tuple[str | None, bool]:
+    """(canonical name, writes its first argument in place) of a node, also for the in-place forms."""
+    if not isinstance(node, fx.Node):
+        return None, False
+    if node.op == "call_function" and node.target in _INPLACE:
+        return _INPLACE[node.target], True
+    if node.op == "call_method" and node.target in _INPLACE_METHODS:
+        return _INPLACE_METHODS[node.target], True
+    return op_name(node), False
+
+
+def constant_fill(node) -> object:
+    """The one value a constant-filled tensor holds (``new_ones``, ``full(v)``, ``torch.tensor(v)`` ...), or None."""
+    name = op_name(node)
+    if name not in CONSTANT_TENSORS:
+        return None
+    v = CONSTANT_TENSORS[name]
+    if v is not None:
+        return v
+    if name == "tensor":
+        x = node.args[0] if node.args else None
+    else:
+        x = arg(node, 2 if name == "new_full" else 1, "fill_value")
+    if isinstance(x, (bool, int, float)):
+        return x
+    return None
+
+
+@dataclass
+class Attention:
+    """One attention call, as the model wrote it: q [B, H, T, D], k [B, Hk, S, D], v [B, Hk, S, Dv]."""
+
+    kind: str  # "sdpa" or "eager"
+    node: fx.Node  # the node whose value is the attention output [B, H, T, Dv]
+    mask: fx.Node  # the mask the attention reads: SDPA's attn_mask, or the softmax's input (eager)
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float
+    logits: fx.Node | None = None  # eager: the scaled q.k^T, [B, H, T, S]
+    nodes: tuple[fx.Node, ...] = ()  # eager: the computation from q.k^T to the output (dies with the rewrite)
+    dropout: str = "none"  # how dropout was found to be the identity ("p=0", "eval"), for the report
+
+
+@dataclass
+class Site:
+    scatter: fx.Node
+    base: fx.Node  # the constant-filled tensor scattered into
+    index: fx.Node  # the scatter's index argument
+    origin: fx.Node  # the selection the indices come from (topk, sort, argsort or hyscale.select)
+    picked: object  # the number written at the picks
+    fill: object  # the number everywhere else
+    k: object  # picks per row: int or SymInt
+    chain: set[fx.Node] = field(default_factory=set)  # mask nodes, scatter to attention (both included)
+    attention: Attention | None = None
+
+    @property
+    def line(self) -> str:
+        return source_line(self.scatter)
+
+
+def scalar(x) -> object:
+    """A number given as a Python number or a 0-d constant tensor made in the graph."""
+    if isinstance(x, (bool, int, float)):
+        return x
+    if isinstance(x, fx.Node) and shape(x) == ():
+        return constant_fill(x)
+    return None
+
+
+def is_index_scatter(node: fx.Node) -> bool:
+    """``x.scatter(dim, index, number)`` / ``scatter_`` (not ``scatter_add``, not ``reduce=``)."""
+    if op_name(node) != "scatter" or "reduce" in node.kwargs:
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name not in ("scatter", "scatter_"):
+        return False
+    return isinstance(scalar(arg(node, 3, "value", node.kwargs.get("src"))), (bool, int, float))
+
+
+def consumer(node: fx.Node, limit: int = 32) -> fx.Node | None:
+    """The first attention (SDPA call or softmax) the scatter's value reaches through mask operations."""
+    todo, seen = deque([node]), {node}
+    while todo and len(seen) < limit:
+        n = todo.popleft()
+        for u in n.users:
+            name, _ = mask_op(u)
+            if name == "sdpa" and _sdpa_mask(u) is n or name == "softmax":
+                return u
+            if name in MASK_OPS and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return None
+
+
+def reaches_attention(node: fx.Node) -> bool:
+    return consumer(node) is not None
+
+
+def candidates(graph: fx.Graph) -> list[fx.Node]:
+    """The scatters of this graph that build a mask read by an attention (each is one site)."""
+    return [n for n in graph.nodes if is_index_scatter(n) and reaches_attention(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# where the indices come from
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object]:
+    """The selection the scattered indices come from (through int32/int64 casts), and its k.
+
+    A top-k's (``topk``, ``hyscale.select``, a ``sort``/``argsort`` sliced ``[..., :k]``) indices are distinct
+    within a row and lie in [0, S) when it selected along S keys: scattering them marks exactly k keys, so the
+    op can read them as a set. Anything else could repeat an index (the dense mask counts it once, a sparse
+    sum twice) or leave the range."""
+    n = index
+    while op_name(n) in ("to", "identity") and dtype(n) in _INDEX_DTYPES and (
+            shape_of(n.args[0]) is None or same_shape(shape_of(n.args[0]), shape(n))):
+        n = n.args[0]
+    why = ("its indices are not a top-k's (a topk, sort or hyscale.select output, through int casts), so they may "
+           "repeat within a row or leave [0, S): a repeated key counts once in the dense mask but twice in a sparse "
+           "sum")
+    if op_name(n) == "getitem" and n.args[1] == 1 and isinstance(n.args[0], fx.Node):
+        sel = n.args[0]
+        if sel.op == "call_function" and sel.target in (torch.ops.hyscale.select.default, torch.ops.hyscale.select):
+            kx = sel.kwargs.get("kx", sel.args[1] if len(sel.args) > 1 else None)
+            kx_shape = shape_of(kx)
+            _check_range(kx_shape[1] if kx_shape else None, S, site_node)
+            return sel, shape(index)[-1]
+        if op_name(sel) == "topk":
+            src = arg(sel, 0, "input")
+            dim = arg(sel, 2, "dim", -1)
+            if not isinstance(dim, int) or shape(src) is None or normalize_dim(dim, len(shape(src))) != len(
+                    shape(src)) - 1:
+                raise Reject(f"the mask is scattered from top-k indices taken along another dim than the last; {why}",
+                             site_node)
+            _check_range(shape(src)[-1], S, site_node)
+            return sel, shape(index)[-1]
+    if op_name(n) == "getitem" and _is_leading_slice(n):
+        src = n.args[0]
+        inner = src.args[0] if op_name(src) == "getitem" and src.args[1] == 1 else src
+        if op_name(inner) in ("sort", "argsort") and (op_name(inner) == "argsort" or src is not inner):
+            x = arg(inner, 0, "input")
+            dim = arg(inner, 1, "dim", -1)
+            if isinstance(dim, int) and shape(x) is not None and normalize_dim(dim, len(shape(x))) == len(shape(x)) - 1:
+                _check_range(shape(x)[-1], S, site_node)
+                return inner, shape(index)[-1]
+    what = f"the graph input `{input_name(n)}`" if isinstance(n, fx.Node) and n.op == "placeholder" else describe(n)
+    raise Reject(f"the index mask is scattered from {what}: {why}", site_node)
+
+
+def shape_of(node) -> tuple | None:
+    """The shape of a node, also of the views and casts a pass inserted without recording example values."""
+    s = shape(node)
+    if s is not None or not isinstance(node, fx.Node) or not node.args:
+        return s
+    name = op_name(node)
+    src = shape_of(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if src is None:
+        return None
+    if name in ("to", "float", "identity", "detach"):
+        return src
+    if name == "permute":
+        perm = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        return tuple(src[normalize_dim(d, len(src))] for d in perm)
+    if name == "transpose":
+        a, b = (normalize_dim(d, len(src)) for d in node.args[1:3])
+        out = list(src)
+        out[a], out[b] = out[b], out[a]
+        return tuple(out)
+    if name == "unsqueeze":
+        d = normalize_dim(node.args[1], len(src) + 1)
+        return src[:d] + (1,) + src[d:]
+    if name == "squeeze" and len(node.args) == 2:
+        d = normalize_dim(node.args[1], len(src))
+        return src[:d] + src[d + 1:] if is_one(src[d]) else src
+    return None
+
+
+def _is_leading_slice(node: fx.Node) -> bool:
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if not idx or not isinstance(idx[-1], slice):
+        return False
+    last = idx[-1]
+    return last.start in (None, 0) and last.step in (None, 1) and all(
+        i is Ellipsis or i == slice(None) for i in idx[:-1])
+
+
+def _check_range(selected_from, S, node: fx.Node) -> None:
+    if selected_from is None or not same_size(selected_from, S):
+        raise Reject(f"the indices were selected among {selected_from} keys and scattered along {S}: they are not "
+                     "provably in range", node)
+
+
+# ---------------------------------------------------------------------------------------------
+# the mask chain, forward from the scatter
+
+
+def mask_chain(scatter: fx.Node) -> tuple[set[fx.Node], fx.Node]:
+    """The mask nodes from the scatter up to the attention (both included), and the attention node (an SDPA
+    call or a softmax). Every mask node must be read by mask nodes or the attention only."""
+    chain, todo, found = {scatter}, [scatter], []
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            name, _ = mask_op(u)
+            if name == "sdpa" and _sdpa_mask(u) is n or name == "softmax" and arg(u, 0, "input") is n:
+                if u not in found:
+                    found.append(u)
+            elif name in MASK_OPS:
+                if u not in chain:
+                    chain.add(u)
+                    todo.append(u)
+            else:
+                what = "index mask" if n is scatter else "mask combining the index mask with the model's mask"
+                raise Reject(f"the {what} ({n.name}) is read by {describe(u)} at {source_line(u)}, so it must be "
+                             "built; attention is left dense", scatter)
+    if len(found) != 1:
+        raise Reject("the index mask feeds no attention" if not found else
+                     f"the index mask feeds {len(found)} attention calls (one sparse attention per mask is rewritten)",
+                     scatter)
+    chain.add(found[0])
+    return chain, found[0]
+
+
+def _sdpa_mask(node: fx.Node):
+    return arg(node, 3, "attn_mask")
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention: SDPA or the eager chain
+
+
+def sdpa(node: fx.Node, scatter: fx.Node) -> Attention:
+    q, k, v = arg(node, 0, "query"), arg(node, 1, "key"), arg(node, 2, "value")
+    p, causal = arg(node, 4, "dropout_p", 0.0), arg(node, 5, "is_causal", False)
+    scale, gqa = arg(node, 6, "scale", None), bool(arg(node, 7, "enable_gqa", False))
+    if not (isinstance(p, (int, float)) and p == 0):
+        raise Reject(f"scaled_dot_product_attention runs with dropout_p={p}: the random dropout of dense weights "
+                     "has no sparse equivalent here (it is 0 in eval mode, or with attention_dropout=0)", scatter)
+    if causal is not False:
+        raise Reject("scaled_dot_product_attention has is_causal set besides the mask", scatter)
+    _check_layout(q, k, v, scatter, gqa=gqa)
+    return Attention("sdpa", node, _sdpa_mask(node), q, k, v, _scale(scale, q, scatter))
+
+
+def _scale(scale, q: fx.Node, node: fx.Node) -> float:
+    if scale is None:
+        d = shape(q)[-1]
+        if not isinstance(d, int):
+            raise Reject("the softmax scale is the default 1/sqrt(D) of a symbolic head dim", node)
+        return d ** -0.5
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return float(scale)
+    raise Reject("the softmax scale is not a constant number (e.g. a float attribute Dynamo lifted to a graph input "
+                 "under dynamic=True)", node)
+
+
+def _check_layout(q, k, v, node: fx.Node, gqa: bool = True) -> None:
+    sq, sk, sv = shape(q), shape(k), shape(v)
+    if any(s is None or len(s) != 4 for s in (sq, sk, sv)):
+        raise Reject("the attention's q, k and v are not 4-D [batch, heads, sequence, features] tensors", node)
+    if not same_size(sk[2], sv[2]) or not same_size(sk[1], sv[1]) or not same_size(sk[3], sq[3]):
+        raise Reject("the attention's q, k and v shapes do not agree", node)
+    for s in (sk, sv):
+        if not (same_size(s[0], sq[0]) or is_one(s[0])):
+            raise Reject("the keys' batch does not match the queries'", node)
+    H, G = sq[1], sk[1]
+    if not (same_size(H, G) or is_one(G) or gqa and isinstance(H, int) and isinstance(G, int) and H % G == 0):
+        raise Reject(f"{H} query heads read {G} key heads, which this attention does not broadcast", node)
+    if not (dtype(q) == dtype(k) == dtype(v)) or dtype(q) not in (torch.float32, torch.bfloat16, torch.float16):
+        raise Reject(f"q, k, v are {dtype(q)}, {dtype(k)}, {dtype(v)}: the op takes one 16/32-bit float dtype", node)
+
+
+def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
+    """softmax(scores + mask, dim=-1[, dtype]) -> [.to] -> [dropout] -> matmul(., v), with scores = q.k^T * scale."""
+    dim = arg(softmax, 1, "dim")
+    x = arg(softmax, 0, "input")
+    if not isinstance(dim, int) or shape(x) is None or normalize_dim(dim, len(shape(x))) != len(shape(x)) - 1:
+        raise Reject("the softmax is not over the keys (the last dim)", scatter)
+    sm_dtype = softmax.kwargs.get("dtype")
+    if sm_dtype not in (None, torch.float32):
+        raise Reject(f"the softmax computes in {sm_dtype}", scatter)
+    nodes, n, how = [softmax], softmax, "none"
+    while True:
+        users = list(n.users)
+        if len(users) != 1:
+            readers = ", ".join(f"{describe(u)} at {source_line(u)}" if u.op != "output" else describe(u)
+                                for u in users if not (op_name(u) == "matmul" and u.args[0] is n)) or "nothing"
+            raise Reject(f"the attention weights are read by {readers}, besides the product with v (the model "
+                         "returns them with output_attentions=True); the dense weights must exist", scatter)
+        (u,) = users
+        name = op_name(u)
+        if name in ("to", "float", "identity") and dtype(u) in (torch.float32, torch.bfloat16, torch.float16):
+            nodes.append(u)
+        elif name == "dropout":
+            p, training = arg(u, 1, "p", 0.5), arg(u, 2, "training", True)
+            if isinstance(p, (int, float)) and p == 0:
+                how = "p=0"
+            elif training is False:
+                how = "eval"
+            else:
+                raise Reject(f"dropout with p={p} in training mode on the attention weights: its random mask of the "
+                             "dense weights has no sparse equivalent (set the attention dropout to 0)", scatter)
+            if arg(u, 3, "inplace", False):
+                raise Reject("in-place dropout on the attention weights", scatter)
+            nodes.append(u)
+        elif name == "matmul" and u.args[0] is n and len(u.args) == 2:
+            nodes.append(u)
+            break
+        else:
+            raise Reject(f"the attention weights are read by {describe(u)} at {source_line(u)}, not a product with v",
+                         scatter)
+        n = u
+    out = nodes[-1]
+    v = out.args[1]
+    logits = _find_logits(x, chain, scatter)
+    q, k, scale, lnodes = logits
+    _check_layout(q, k, v, scatter, gqa=False)
+    return Attention("eager", out, x, q, k, v, scale, logits=lnodes[0], nodes=tuple(lnodes + nodes), dropout=how)
+
+
+def _find_logits(root: fx.Node, chain: set[fx.Node], scatter: fx.Node):
+    """The one operand of the softmax's mask arithmetic that is the scaled q.k^T (not built from the scatter)."""
+    operands = {a for n in chain | {root} for a in n.all_input_nodes if a not in chain}
+    found = [(a, parsed) for a in operands
+             if same_shape(shape(a), shape(root)) and dtype(a) is not None and dtype(a).is_floating_point
+             and (parsed := parse_logits(a)) is not None]
+    if len(found) != 1:
+        raise Reject("the softmax input is not the scores q.k^T * scale plus the mask" if not found else
+                     "the softmax input adds two q.k^T products", scatter)
+    node, (q, k, scale, nodes) = found[0]
+    return q, k, scale, nodes
+
+
+def _number(x) -> float | None:
+    v = scalar(x)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def parse_logits(node: fx.Node):
+    """``matmul(q, k.transpose(-2, -1))`` times / divided by constants (and fp32 upcasts): (q, k, scale, nodes)."""
+    scale, nodes, n = 1.0, [], node
+    while True:
+        name = op_name(n)
+        if name in ("mul", "div") and len(n.args) == 2:
+            a, b = n.args
+            c = _number(b)
+            if c is None and name == "mul":
+                c, b, a = _number(a), a, b
+            if c is None or c == 0 or not isinstance(a, fx.Node):
+                return None
+            scale = scale * c if name == "mul" else scale / c
+            nodes.append(n)
+            n = a
+        elif name in ("float", "to") and dtype(n) == torch.float32 and same_shape(shape(n), shape(n.args[0])):
+            nodes.append(n)
+            n = n.args[0]
+        elif name == "matmul":
+            break
+        else:
+            return None
+    if len(n.args) != 2 or shape(n) is None or len(shape(n)) != 4:
+        return None
+    q, kt = n.args
+    k = _untransposed(kt)
+    if k is None or not (scale > 0):
+        return None
+    nodes.append(n)
+    if kt is not k:
+        nodes.append(kt)
+    return q, k, scale, nodes
+
+
+def _untransposed(kt) -> fx.Node | None:
+    """k for ``k.transpose(-2, -1)`` / ``k.transpose(2, 3)`` / ``k.permute(0, 1, 3, 2)`` of a 4-D k."""
+    if not isinstance(kt, fx.Node) or shape(kt) is None or len(shape(kt)) != 4:
+        return None
+    name = op_name(kt)
+    if name == "transpose":
+        dims = {normalize_dim(d, 4) for d in (arg(kt, 1, "dim0"), arg(kt, 2, "dim1")) if isinstance(d, int)}
+        return kt.args[0] if dims == {2, 3} else None
+    if name == "permute":
+        perm = kt.args[1] if len(kt.args) == 2 and isinstance(kt.args[1], (list, tuple)) else kt.args[1:]
+        return kt.args[0] if [normalize_dim(d, 4) for d in perm] == [0, 1, 3, 2] else None
+    return None
+
+
+def peel_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
+    """HF's ``repeat_kv``: ``x[:, :, None].expand(B, G, n, S, D).reshape(B, G * n, S, D)`` -> (x, n); else (node, 1).
+
+    Query head h then reads key head h // n, the op's grouping."""
+    if op_name(node) != "reshape":
+        return node, 1
+    e = node.args[0]
+    if op_name(e) != "expand" or shape(e) is None or len(shape(e)) != 5:
+        return node, 1
+    g = e.args[0]
+    if op_name(g) != "getitem" or g.args[1] != (slice(None), slice(None), None, slice(None), slice(None)):
+        return node, 1
+    x = g.args[0]
+    sx, se = shape(x), shape(e)
+    if sx is None or len(sx) != 4 or not all(same_size(a, b) for a, b in zip(sx[:2] + sx[2:], se[:2] + se[3:])):
+        return node, 1
+    if not same_shape(shape(node), (se[0], se[1] * se[2], se[3], se[4])):
+        return node, 1
+    n = se[2]
+    return (x, n) if isinstance(n, int) else (node, 1)
