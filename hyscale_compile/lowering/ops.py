@@ -131,13 +131,9 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
                     starts: Tensor | None, ends: Tensor | None, mask: Tensor | None
                     ) -> tuple[Tensor, Tensor, Tensor]:
     vis = _vis(causal, offset, offsets, starts, ends, mask, None, rows=q.shape[:2])
-    impl = dispatch.backward_kernels_for(q)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    if impl is dispatch.reference:
-        dq, dkx, dw = impl.sparse_backward(grad_values, q, kx, weights, indices, scale, relu, vis)
-    else:
-        dq, dkx, dw = impl.sparse_backward(grad_values, q, kx, weights, indices, scale, relu, vis,
-                                           deterministic=deterministic)
+    dq, dkx, dw = dispatch.backward_kernels_for(q).sparse_backward(
+        grad_values, q, kx, weights, indices, scale, relu, vis,
+        deterministic=torch.are_deterministic_algorithms_enabled())
     return dq, dkx, (dw if dw is not None else q.new_empty((0,), dtype=torch.float32))
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import score_tile, stats
 from .check_kernels import check_block, check_kernel, check_warps
-from .dispatch import interpreting
+from .env import interpreting
 from .filter_kernels import (
     MODE_FILTER,
     block_kernel,

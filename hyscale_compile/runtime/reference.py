@@ -156,11 +156,13 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
 
 
 def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
-                    scale: float, relu: bool, vis: Visibility) -> tuple[Tensor, Tensor, Tensor | None]:
+                    scale: float, relu: bool, vis: Visibility, deterministic: bool = False
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Gradients of sum(grad_values * values) w.r.t. q, kx, weights, touching only the selected keys.
 
     Masked picks carry a constant (the fill), so they get no gradient. dkx is accumulated with
-    index_add_, deterministic on CPU.
+    index_add_, deterministic on CPU whatever ``deterministic`` asks (it is there for the kernels'
+    interface: the Triton backward may use float atomics unless it is True).
     """
     B, T, H, D = q.shape
     S = kx.shape[1]

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import interpreting
+from .env import interpreting
 
 
 @dataclass

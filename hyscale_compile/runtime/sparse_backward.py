@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dispatch import interpreting
+from .env import interpreting
 from .reference import Visibility
 from .score_tile import precision
 
