@@ -128,7 +128,12 @@ def topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
            vis: Visibility, fill: float, sorted: bool = True) -> tuple[Tensor, Tensor]:
-    """Exact top-k per query row. ``sorted`` is accepted for the kernel interface; output is always sorted."""
+    """Exact top-k per query row, ordered by (value desc, position asc).
+
+    sorted=False returns the same entries per row in ascending position order: as the contract allows
+    (any deterministic order), and unlike the sorted one, so that code which wrongly relies on the
+    order of an unsorted selection fails on the CPU too, not only with the kernels' order.
+    """
     B, T, H, _ = q.shape
     S = kx.shape[1]
     values = torch.empty(B, T, k, dtype=torch.float32, device=q.device)
@@ -137,6 +142,9 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         v, i = topk_rows(value_rows(q, kx, weights, scale, relu, vis, fill, t0, t1), k)
+        if not sorted:
+            i, order = i.sort(dim=-1)
+            v = v.gather(-1, order)
         values[:, t0:t1] = v
         indices[:, t0:t1] = i
     return values, indices

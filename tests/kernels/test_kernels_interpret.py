@@ -495,10 +495,37 @@ def test_op_dispatch_and_repeatability():
     q, kx, w = inputs(B=1, T=4, S=32, seed=14)
     with dispatch.force_backend("triton"):
         a = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, True)
-        b = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, False)
+        b = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, True)
     rv, ri = reference.select(q, kx, w, 5, 0.5, True, Visibility(causal=True, offset=28), NEG_INF)
     assert same(a[0], rv) and torch.equal(a[1], ri)
     assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)) and torch.equal(a[1], b[1])
+
+
+def _by_position(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (value, position) pairs in position order: a selection compared as a set."""
+    indices, order = indices.sort(dim=-1)
+    return values.gather(-1, order), indices
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_unsorted_select_end_to_end(backend):
+    """sorted=False through the operator, on both backends: each row's entries are the sorted selection's,
+    with the same bits; the kernels give the order of their candidate slots (the final select kernel
+    runs under the interpreter for it), the reference ascending positions; and neither is the sorted
+    order, so a caller that relies on it is caught on the CPU too."""
+    q, kx, w = inputs(B=1, T=4, S=48, seed=41)
+    args = (q, kx, w, 6, 0.5, True, True, 44, None, None, None, None, None, NEG_INF)
+    with dispatch.force_backend(backend):
+        sv, si = torch.ops.hyscale.select(*args, True)
+        uv, ui = torch.ops.hyscale.select(*args, False)
+    rv, ri = reference.select(q, kx, w, 6, 0.5, True, Visibility(causal=True, offset=44), NEG_INF)
+    assert same(sv, rv) and torch.equal(si, ri)
+    pv, pi = _by_position(uv, ui)
+    want_v, want_i = _by_position(rv, ri)
+    assert torch.equal(pi, want_i) and torch.equal(pv.view(torch.int32), want_v.view(torch.int32))
+    assert not torch.equal(ui, si), "the unsorted selection came back sorted"
+    if backend == "reference":
+        assert torch.equal(ui, want_i)  # ascending positions
 
 
 def test_fill_bits_and_keys_tell_signed_zeros_apart():
