@@ -285,8 +285,8 @@ def interpreter_shim() -> None:
         import triton_interpret  # noqa: F401
 
 
-def write_results(path: str, device: str, rows: list[dict]) -> None:
-    """results/*.json as every benchmark here writes it: device, versions, date, commit, rows."""
+def write_results(path: str, device: str, rows: list[dict], **extra) -> None:
+    """results/*.json as every benchmark here writes it: device, versions, date, commit, rows (and extra)."""
     import triton
 
     # A copy of the tree without .git (a remote device) names its commit through the environment.
@@ -294,7 +294,8 @@ def write_results(path: str, device: str, rows: list[dict]) -> None:
     commit = os.environ.get("HYSCALE_COMMIT") or subprocess.run(
         git, capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     doc = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-           "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit, "rows": rows}
+           "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit, **extra,
+           "rows": rows}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2) + "\n")
 

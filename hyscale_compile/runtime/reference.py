@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of the indexer selection operators.
 
-This file *is* the operator contract (shared design notes, section 3) written as code:
+This file *is* the operator contract (docs/design.md, section 3) written as code:
 
     score[b, t, s] = sum_h w[b, t, h] * act(scale * dot(q[b, t, h, :], kx[b, s, :]))   (fp32)
                    = sum_h (scale * w[b, t, h]) * act'(dot(...))   as it is evaluated: one rounding
