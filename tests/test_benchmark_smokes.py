@@ -1,7 +1,7 @@
 """The device benchmarks still run: each one's --smoke mode (tiny shapes, CPU interpreter, prints only).
 
 A benchmark that breaks is found here, not in a device call that costs the project's GPU time. Every
-script under benchmarks/ is listed: a new one must be too.
+script under benchmarks/ (the published ones and benchmarks/tuning/) is listed: a new one must be too.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-SCRIPTS = ["selection.py", "training.py", "context_parallel.py", "tune_selection.py", "tune_descriptors.py",
-           "tune_floor_ws.py", "tune_replay.py", "recovery.py", "host_overhead.py", "candidate_target.py"]
+SCRIPTS = ["selection.py", "training.py", "context_parallel.py", "tuning/tune_selection.py",
+           "tuning/tune_descriptors.py", "tuning/tune_floor_ws.py", "tuning/tune_replay.py", "tuning/recovery.py",
+           "tuning/host_overhead.py", "tuning/candidate_target.py"]
 LIBRARIES = ["floor.py"]  # imported by the scripts, not run
 
 

@@ -12,8 +12,8 @@ Three tables, each measured in one run on the device, every variant's bits check
 - ``sort``: ``final_sort.sort_decode_kernel`` at 1..16 warps on composites with many tied values,
   against ``torch.sort``.
 
-    python benchmarks/tune_descriptors.py [--parts paths,filter,append,sort] [--out FILE.json]
-    TRITON_INTERPRET=1 python benchmarks/tune_descriptors.py --smoke    # tiny shapes on the CPU, prints only
+    python benchmarks/tuning/tune_descriptors.py [--parts paths,filter,append,sort] [--out FILE.json]
+    TRITON_INTERPRET=1 python benchmarks/tuning/tune_descriptors.py --smoke    # tiny shapes on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from hyscale_compile.runtime import final_sort, hytopk, score_tile  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import floor  # noqa: E402  (the selection benchmark's floor)
 import training  # noqa: E402  (write_results)
 

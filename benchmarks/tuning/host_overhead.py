@@ -7,8 +7,8 @@ rescore, sparse backward: Python, allocations and kernel launches), and any host
 in the step (``torch.cuda.set_sync_debug_mode``). A step whose enqueue time is close to its wall
 time and above its kernel time is host-bound: faster kernels will not make it faster.
 
-    python benchmarks/host_overhead.py [--shape 0] [--out results/host_overhead.json] [--cprofile FILE]
-    python benchmarks/host_overhead.py --smoke    # a tiny step on the CPU (wall and enqueue only), prints only
+    python benchmarks/tuning/host_overhead.py [--shape 0] [--out results/host_overhead.json] [--cprofile FILE]
+    python benchmarks/tuning/host_overhead.py --smoke    # a tiny step on the CPU (wall and enqueue only), prints only
 
 --cprofile writes the Python functions that take the host's time in those steps (cProfile, by own
 time and by cumulative time), to see which calls inside an entry cost it.
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 import training  # noqa: E402  (the layer, inputs and shapes of the training benchmark)
 
 from hyscale_compile.runtime import hytopk  # noqa: E402

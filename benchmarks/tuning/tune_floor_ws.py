@@ -18,8 +18,8 @@ weights by pointer ran 0.875x / 0.852x our pointer floor at H = 16 / 64 (with th
 1.005x / 0.998x: a synchronous copy per head). The block kernel now reads q and kx that way
 (``score_tile.tma_views``).
 
-    python benchmarks/tune_floor_ws.py [--out results/tune_floor_ws.json] [--timeout 120]
-    TRITON_INTERPRET=1 python benchmarks/tune_floor_ws.py --smoke    # tiny shapes on the CPU, prints only
+    python benchmarks/tuning/tune_floor_ws.py [--out results/tune_floor_ws.json] [--timeout 120]
+    TRITON_INTERPRET=1 python benchmarks/tuning/tune_floor_ws.py --smoke    # tiny shapes on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from hyscale_compile.runtime import hytopk, score_tile  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import floor  # noqa: E402  (the selection benchmark's floor)
 import training  # noqa: E402  (write_results: the results file every benchmark here writes)
 

@@ -12,8 +12,8 @@ reports median ms, the rows recovered (runtime stats) and whether all three gave
 any cooperative grid the driver refused (then the "cooperative" column timed the next grid tried).
 The smoke run shrinks the candidate buffer so that its tiny rows overflow and are recovered.
 
-    python benchmarks/recovery.py [--T 2048 --S 65536 --H 16 --k 2048] [--out results/recovery.json]
-    TRITON_INTERPRET=1 python benchmarks/recovery.py --smoke     # tiny, on the CPU, prints only
+    python benchmarks/tuning/recovery.py [--T 2048 --S 65536 --H 16 --k 2048] [--out results/recovery.json]
+    TRITON_INTERPRET=1 python benchmarks/tuning/recovery.py --smoke     # tiny, on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from hyscale_compile.runtime import hytopk, launch_policy, stats  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import training  # noqa: E402  (write_results)
 
 

@@ -7,8 +7,8 @@ and whether the result is bit-identical to the first config's. (It also timed th
 against a kernel that scores whole filter tiles, up to results at 6eacd18; that kernel is now the
 tests' cross-check, tests/kernels/rescore_tile.py, and the rescore's tuning is tune_replay.py.)
 
-    python benchmarks/tune_selection.py [--out results/tune_selection.json] [--shapes 0,1]
-    TRITON_INTERPRET=1 python benchmarks/tune_selection.py --smoke    # a tiny shape on the CPU, prints only
+    python benchmarks/tuning/tune_selection.py [--out results/tune_selection.json] [--shapes 0,1]
+    TRITON_INTERPRET=1 python benchmarks/tuning/tune_selection.py --smoke    # a tiny shape on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from hyscale_compile.runtime import final_select, final_sort, hytopk, score_tile  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import floor  # noqa: E402  (the selection benchmark's floor and compare-only kernels)
 import training  # noqa: E402  (interpreter_shim)
 

@@ -6,8 +6,8 @@ half of that plus part of the final top-k, while the sample-based threshold (M=4
 each row >= k candidates (so no recoveries). The measurement (results/candidate_target.json) falsified
 it, so the target rule (``plan.sizes``) stayed.
 
-    python benchmarks/candidate_target.py --out results/candidate_target.json
-    python benchmarks/candidate_target.py --smoke    # a tiny shape on the CPU, prints only
+    python benchmarks/tuning/candidate_target.py --out results/candidate_target.json
+    python benchmarks/tuning/candidate_target.py --smoke    # a tiny shape on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import sys
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from hyscale_compile.runtime import hytopk, stats  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import training  # noqa: E402  (interpreter_shim)
 
 

@@ -13,8 +13,8 @@ backward with float atomics for dkx (the rule: deterministic by default unless i
 1.3x the atomic one). Shapes are the training benchmark's (k=2048, D=128, bf16, causal, queries
 at the end of the context).
 
-    python benchmarks/tune_replay.py [--shapes 0,1,2] [--defaults-only] [--out results/tune_replay.json]
-    TRITON_INTERPRET=1 python benchmarks/tune_replay.py --smoke    # tiny shapes on the CPU, prints only
+    python benchmarks/tuning/tune_replay.py [--shapes 0,1,2] [--defaults-only] [--out results/tune_replay.json]
+    TRITON_INTERPRET=1 python benchmarks/tuning/tune_replay.py --smoke    # tiny shapes on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from hyscale_compile.runtime import hytopk, rescore  # noqa: E402
 from hyscale_compile.runtime import sparse_backward as sb  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import training  # noqa: E402  (write_results: the results file every benchmark here writes)
 
 SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H)
