@@ -297,7 +297,20 @@ def write_results(path: str, device: str, rows: list[dict], **extra) -> None:
            "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit, **extra,
            "rows": rows}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    Path(path).write_text(results_json(doc))
+
+
+def results_json(doc: dict) -> str:
+    """A results document as JSON with every row of a list of rows on a line of its own: the table
+    reads, and diffs, row by row."""
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value and all(isinstance(row, dict) for row in value):
+            rows = ",\n".join("    " + json.dumps(row) for row in value)
+            lines.append(f"  {json.dumps(key)}: [\n{rows}\n  ]")
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 if __name__ == "__main__":
