@@ -23,7 +23,10 @@ or zigzag):
 Defaults are the issue's sizes (L=262144, H=16, D=128, k=2048, bf16). Without CUDA it runs on CPU
 with gloo (use tiny sizes: ``--L 256 --H 2 --D 16 --k 8``). The JSON is written after every phase,
 so a failure late in the run keeps what was measured; errors are recorded in it, and the exit code
-is 1 when any equality check failed or a phase raised.
+is 1 when any equality check failed or a phase raised. ``--smoke`` is one rank's work at those tiny
+sizes in one process, printed and not written:
+
+    python benchmarks/context_parallel.py --smoke
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="where to write the JSON results")
+    p.add_argument("--out", default=None, help="where to write the JSON results (required but with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="--single at tiny sizes, fp32, nothing written")
     p.add_argument("--single", action="store_true", help="one process: one rank's work on one device")
     p.add_argument("--rank", type=int, default=None, help="--single: which rank's rows (default: the last)")
     p.add_argument("--world", type=int, default=2, help="--single: how many ranks the sequence is split over")
@@ -77,7 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ref-rows", type=int, default=4, help="rows checked against the plain-PyTorch reference")
     p.add_argument("--no-full-baseline", action="store_true", help="skip one call over all L rows on one GPU")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.single, args.L, args.H, args.D, args.k, args.dtype = True, 256, 2, 16, 8, "fp32"
+        args.iters, args.warmup, args.check_rows, args.ref_rows = 1, 0, 8, 2
+    elif args.out is None:
+        p.error("--out is required (but with --smoke)")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         _init_dist(device)
     rank = dist.get_rank() if distributed else 0
-    res = Results(args.out, enabled=rank == 0)
+    res = Results(args.out or "", enabled=rank == 0 and not args.smoke)
     res.data.update({"mode": "single" if args.single else "cp", "args": vars(args), "env": _env(device),
                      "world": dist.get_world_size() if distributed else 1})
     res.save()

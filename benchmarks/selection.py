@@ -3,9 +3,11 @@
 k=2048 (and one k=512 shape), D=128, bf16, causal with the queries at the end of the context.
 Every time is a median of CUDA-event timings; the floor and HyTopK are timed in turn over three rounds,
 so that clock drift moves both alike. Writes results/selection.json and results/selection.md (or the
-paths given). A baseline that runs out of memory is recorded as null with a note.
+paths given). A baseline that runs out of memory is recorded as null with a note. The floor, the
+table and the filter's compare alone are this benchmark's own kernels (floor.py).
 
-    python benchmarks/selection.py [--out DIR] [--shapes quick]
+    python benchmarks/selection.py [--out DIR] [--shapes 0,1]
+    python benchmarks/selection.py --smoke     # a tiny shape on the CPU (Triton interpreter), prints only
 """
 
 from __future__ import annotations
@@ -25,18 +27,10 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hyscale_compile.runtime import (  # noqa: E402
-    final_select,
-    hytopk,
-    score_tile,
-    stats,
-)
-from hyscale_compile.runtime.filter_kernels import (  # noqa: E402
-    MODE_COUNT,
-    MODE_FLOOR,
-    MODE_TABLE,
-    block_kernel,
-)
+import floor  # noqa: E402  (this benchmark's kernels: the floor, the table, the compare alone)
+import training  # noqa: E402  (interpreter_shim)
+
+from hyscale_compile.runtime import hytopk, score_tile, stats  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
 SHAPES = [  # T, S, H, k
@@ -46,8 +40,10 @@ SHAPES = [  # T, S, H, k
     (8192, 131072, 32, 2048),
     (4096, 262144, 64, 512),
 ]
+SMOKE_SHAPES = [(8, 300, 2, 8)]  # T, S, H, k: every context fits the buffer (no sampling), the interpreter is slow
 D = 128
 EAGER_BUDGET = 24 << 30  # bytes of fp32 intermediates per query chunk in the eager indexer
+DEVICE = "cuda"  # the smoke run sets "cpu" where there is no GPU: kernels in the interpreter, nothing timed
 
 
 def median(xs: list) -> float:
@@ -57,6 +53,8 @@ def median(xs: list) -> float:
 
 def median_ms(fn, reps: int = 5) -> float:
     fn()
+    if DEVICE != "cuda":
+        return float("nan")
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -70,6 +68,9 @@ def median_ms(fn, reps: int = 5) -> float:
 
 
 def bench(fn) -> float:
+    if DEVICE != "cuda":
+        fn()
+        return float("nan")
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
@@ -85,6 +86,8 @@ def interleaved(fns: dict, rounds: int = 3) -> dict:
 
 
 def matmul_tflops() -> float:
+    if DEVICE != "cuda":
+        return float("nan")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     return 2 * 8192**3 / bench(lambda: a @ b) / 1e9
@@ -94,11 +97,6 @@ def useful_flops(T: int, S: int, H: int) -> float:
     """Multiply-adds of the visible pairs only (row t sees S - T + t + 1 keys)."""
     pairs = T * (S - T) + T * (T + 1) / 2
     return 2.0 * pairs * H * D
-
-
-def block_launch(pb, mode: int, out: torch.Tensor, split: int) -> None:
-    pb.launch(block_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, pb.lo, pb.lo, out,
-              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, 0, pb.S, split, MODE=mode, **pb.block_extra)
 
 
 def eager_indexer(q, kx, w, k, scale, offset):
@@ -149,72 +147,91 @@ def guarded(fn, notes: list, name: str):
         return fn()
     except torch.OutOfMemoryError as e:
         notes.append(f"{name}: out of memory ({str(e).splitlines()[0][:120]})")
-        torch.cuda.empty_cache()
+        empty_cache()
         return None
 
 
-def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: bool, stages: bool) -> dict:
+def empty_cache() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def inputs(T: int, S: int, H: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 q and kx (fp32 on the CPU: the interpreter's dot takes no bf16), fp32 weights."""
     torch.manual_seed(0)
-    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    kx = torch.randn(1, S, D, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1, T, H, device="cuda", dtype=torch.float32) / math.sqrt(H)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q = torch.randn(1, T, H, D, device=DEVICE, dtype=dtype)
+    kx = torch.randn(1, S, D, device=DEVICE, dtype=dtype)
+    w = torch.randn(1, T, H, device=DEVICE, dtype=torch.float32) / math.sqrt(H)
+    return q, kx, w
+
+
+def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: bool, stages: bool,
+              rounds: int = 3) -> dict:
+    q, kx, w = inputs(T, S, H)
     scale = D**-0.5
     vis = Visibility(causal=True, offset=S - T)
     fill = float("-inf")
     notes: list[str] = []
-    pb = hytopk._Problem(q, kx, w, scale, True, vis, fill)
-    split = hytopk.filter_split(pb)
-    sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device="cuda", dtype=torch.float32)
-    # the floor alone, before anything else of this shape runs (how the table timed it up to 6885655). On
-    # the H200 it comes out 1-9% faster than the same floor timed in turn with HyTopK, whose rounds grow
-    # slower as the run goes on while HyTopK's stay flat: both ratios are in the results
-    floor_first_ms = bench(lambda: block_launch(pb, MODE_FLOOR, sink, split))
+    pb = hytopk.Problem(q, kx, w, scale, True, vis, fill)
+    plan = hytopk.make_plan(pb, k)
+    split = plan.filter_split
+    sink = floor.sink(pb, split)
+    # the floor alone, before anything else of this shape runs (how the table timed it up to 6885655); it
+    # comes out faster than the same floor timed in turn with HyTopK, whose rounds grow slower as the run
+    # goes on while HyTopK's stay flat (NOTES-selection.md, v13): both ratios are in the results
+    floor_first_ms = bench(lambda: floor.floor(pb, sink, split))
 
     def table_topk():
-        table = torch.empty(T, S, device="cuda", dtype=torch.float32)
-        block_launch(pb, MODE_TABLE, table, split)
+        table = torch.empty(T, S, device=DEVICE, dtype=torch.float32)
+        floor.table(pb, table, split)
         return torch.topk(table, k, dim=-1)
 
     table_ms = guarded(lambda: bench(table_topk), notes, "table_topk")
-    torch.cuda.empty_cache()
+    empty_cache()
 
     def hy():
         return hytopk.select(q, kx, w, k, scale, True, vis, fill)
 
     hy()
-    torch.cuda.synchronize()
+    synchronize()
     # the floor and HyTopK (the ratio the issue bars) in turn; unsorted is what an order-free site (the
     # indices only mark a mask, as in HF DeepSeek-V3.2) runs: no final sort
-    t = interleaved({"floor": lambda: block_launch(pb, MODE_FLOOR, sink, split), "hytopk": hy,
-                     "unsorted": lambda: hytopk.select(q, kx, w, k, scale, True, vis, fill, sorted=False)})
+    t = interleaved({"floor": lambda: floor.floor(pb, sink, split), "hytopk": hy,
+                     "unsorted": lambda: hytopk.select(q, kx, w, k, scale, True, vis, fill, sorted=False)}, rounds)
     floor_ms, hy_ms, unsorted_ms = median(t["floor"]), median(t["hytopk"]), median(t["unsorted"])
-    cand_ms = bench(lambda: hytopk.candidates(hytopk._Problem(q, kx, w, scale, True, vis, fill), k))
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    cand_ms = bench(lambda: candidates(q, kx, w, k, scale, vis, fill))
+    synchronize()
+    base = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     stats.reset()
     out = hy()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    synchronize()
+    peak = torch.cuda.max_memory_allocated() - base if DEVICE == "cuda" else 0
     st = stats.read()
     del out
-    _, cap, _ = hytopk.sizes(k, S)
-    buffer_bytes = T * (cap + k) * 8
+    buffer_bytes = T * plan.width * 8
     output_bytes = T * k * 12
     eager_ms = compile_ms = None
     off = S - T
     if eager:
         eager_ms = guarded(lambda: median_ms(lambda: eager_indexer(q, kx, w, k, scale, off), 3), notes, "eager")
-        torch.cuda.empty_cache()
+        empty_cache()
     else:
         notes.append("eager: not run (device-time budget)")
     if compiled:
         compile_ms = guarded(lambda: median_ms(lambda: compiled_indexer(q, kx, w, k, scale, off), 3), notes,
                              "compile")
-        torch.cuda.empty_cache()
+        empty_cache()
     else:
         notes.append("compile: not run (device-time budget)")  # main() may run it at the end instead
-    stage = stage_times(hytopk._Problem(q, kx, w, scale, True, vis, fill), k, hy) if stages else {}
+    stage = stage_times(hytopk.Problem(q, kx, w, scale, True, vis, fill), plan) if stages else {}
     fl = useful_flops(T, S, H)
     row = dict(T=T, S=S, H=H, D=D, k=k, matmul_tflops=round(mm, 1), floor_tflops=round(fl / floor_ms / 1e9, 1),
                floor_ms=round(floor_ms, 3), table_topk_ms=None if table_ms is None else round(table_ms, 3),
@@ -230,42 +247,45 @@ def run_shape(T: int, S: int, H: int, k: int, mm: float, eager: bool, compiled: 
     return row
 
 
-def stage_times(pb, k: int, select) -> dict:
+def candidates(q, kx, w, k: int, scale: float, vis: Visibility, fill: float):
+    """Every stage but the final select, with the host work of a call (its problem and plan)."""
+    pb = hytopk.Problem(q, kx, w, scale, True, vis, fill)
+    return hytopk.candidates(pb, hytopk.make_plan(pb, k))
+
+
+def stage_times(pb, plan) -> dict:
     """HyTopK stage by stage: sampling, threshold, the filter's compare alone (no append), the filter,
     and the final select over the candidate buffers."""
-    buf, samp, msamp = hytopk.sample(pb, k)
-    thr = hytopk.threshold(pb, k, buf, samp, msamp)
-    _, cap, _ = hytopk.sizes(k, pb.S)
-    sink = torch.empty(pb.n_tblk * pb.B * hytopk.filter_split(pb) * pb.tile.bt, device="cuda")
-    out = dict(sample_ms=round(bench(lambda: hytopk.sample(pb, k)), 3),
-               threshold_ms=round(bench(lambda: hytopk.threshold(pb, k, buf, samp, msamp)), 3),
-               compare_only_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap, MODE_COUNT, sink)), 3),
-               filter_ms=round(bench(lambda: hytopk.filter_rows(pb, thr, buf, cap)), 3))
-    full, used = hytopk.candidates(pb, k)
-    rl = hytopk.row_lists(k, pb.S, full.shape[1], pb.vis)  # as select runs it
-    out["final_select_ms"] = round(bench(lambda: final_select.select_rows(full, k, used, row_lists=rl)), 3)
+    buf, samp, msamp = hytopk.sample(pb, plan)
+    thr = hytopk.threshold(pb, plan, buf, samp, msamp)
+    sink = floor.sink(pb, plan.filter_split)
+    out = dict(sample_ms=round(bench(lambda: hytopk.sample(pb, plan)), 3),
+               threshold_ms=round(bench(lambda: hytopk.threshold(pb, plan, buf, samp, msamp)), 3),
+               compare_only_ms=round(bench(lambda: floor.count(pb, plan, thr, sink)), 3),
+               filter_ms=round(bench(lambda: hytopk.filter_rows(pb, plan, thr, buf)), 3))
+    full, used = hytopk.candidates(pb, plan)
+    out["final_select_ms"] = round(bench(lambda: hytopk.select_rows(full, plan.k, used, row_lists=plan.row_lists)),
+                                   3)
     return out
 
 
 def floor_sweep(T: int, S: int, H: int, configs) -> list:
     """Floor time of other tile shapes at one size (the filter would share the chosen one)."""
-    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    kx = torch.randn(1, S, D, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1, T, H, device="cuda", dtype=torch.float32)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q = torch.randn(1, T, H, D, device=DEVICE, dtype=dtype)
+    kx = torch.randn(1, S, D, device=DEVICE, dtype=dtype)
+    w = torch.randn(1, T, H, device=DEVICE, dtype=torch.float32)
     vis = Visibility(causal=True, offset=S - T)
-    out, old = [], score_tile.TILE
-    try:
-        for bt, bs, warps, stages in configs:
-            score_tile.TILE = score_tile.TileConfig(bt=bt, bs=bs, warps=warps, stages=stages)
-            pb = hytopk._Problem(q, kx, w, D**-0.5, True, vis, float("-inf"))
-            split = hytopk.filter_split(pb)
-            sink = torch.empty(pb.n_tblk * split * bt, device="cuda")
-            ms = bench(lambda pb=pb, sink=sink, split=split: block_launch(pb, MODE_FLOOR, sink, split))
-            out.append(dict(T=T, S=S, H=H, bt=bt, bs=bs, warps=warps, stages=stages, floor_ms=round(ms, 3),
-                            floor_tflops=round(useful_flops(T, S, H) / ms / 1e9, 1)))
-            print(json.dumps(out[-1]), flush=True)
-    finally:
-        score_tile.TILE = old
+    out = []
+    for bt, bs, warps, stages in configs:
+        tile = score_tile.TileConfig(bt=bt, bs=bs, warps=warps, stages=stages)
+        pb = hytopk.Problem(q, kx, w, D**-0.5, True, vis, float("-inf"), tile)
+        split = hytopk.make_plan(pb, 2048 if DEVICE == "cuda" else 8).filter_split
+        sink = floor.sink(pb, split)
+        ms = bench(lambda pb=pb, sink=sink, split=split: floor.floor(pb, sink, split))
+        out.append(dict(T=T, S=S, H=H, bt=bt, bs=bs, warps=warps, stages=stages, floor_ms=round(ms, 3),
+                        floor_tflops=round(useful_flops(T, S, H) / ms / 1e9, 1)))
+        print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -290,7 +310,11 @@ def main() -> None:
     ap.add_argument("--sweep", default="128x128x8x3,64x256x8x3", help="floor tile configs bt x bs x warps x stages")
     ap.add_argument("--shapes", default="all", help="'all' or comma-separated indices into SHAPES")
     ap.add_argument("--commit", default=None, help="commit to record when the checkout has no git")
+    ap.add_argument("--smoke", action="store_true", help="a tiny shape, any device, nothing timed or written")
     args = ap.parse_args()
+    if args.smoke:
+        smoke()
+        return
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     mm = matmul_tflops()
     print(f"bf16 matmul {mm:.0f} TFLOP/s", flush=True)
@@ -314,6 +338,17 @@ def main() -> None:
         row["compile_ms"] = compile_baseline(T, S, H, k, row["notes"])
         write(res, args.out)
     print(markdown(res))
+
+
+def smoke() -> None:
+    """Every step of a run at a tiny shape (on the CPU the kernels run in the Triton interpreter):
+    the floor, the table, HyTopK sorted and unsorted, the stages, eager, a floor sweep."""
+    global D, DEVICE
+    D, DEVICE = 16, "cuda" if torch.cuda.is_available() else "cpu"
+    training.interpreter_shim()
+    for T, S, H, k in SMOKE_SHAPES:
+        run_shape(T, S, H, k, float("nan"), eager=True, compiled=False, stages=True, rounds=1)
+    floor_sweep(8, 300, 2, [(16, 32, 4, 2)])
 
 
 def compile_baseline(T: int, S: int, H: int, k: int, notes: list) -> float | None:

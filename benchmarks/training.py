@@ -285,8 +285,8 @@ def interpreter_shim() -> None:
         import triton_interpret  # noqa: F401
 
 
-def write_results(path: str, device: str, rows: list[dict]) -> None:
-    """results/*.json as every benchmark here writes it: device, versions, date, commit, rows."""
+def write_results(path: str, device: str, rows: list[dict], **extra) -> None:
+    """results/*.json as every benchmark here writes it: device, versions, date, commit, rows (and extra)."""
     import triton
 
     # A copy of the tree without .git (a remote device) names its commit through the environment.
@@ -294,9 +294,23 @@ def write_results(path: str, device: str, rows: list[dict]) -> None:
     commit = os.environ.get("HYSCALE_COMMIT") or subprocess.run(
         git, capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     doc = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-           "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit, "rows": rows}
+           "triton": triton.__version__, "date": datetime.date.today().isoformat(), "commit": commit, **extra,
+           "rows": rows}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    Path(path).write_text(results_json(doc))
+
+
+def results_json(doc: dict) -> str:
+    """A results document as JSON with every row of a list of rows on a line of its own: the table
+    reads, and diffs, row by row."""
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value and all(isinstance(row, dict) for row in value):
+            rows = ",\n".join("    " + json.dumps(row) for row in value)
+            lines.append(f"  {json.dumps(key)}: [\n{rows}\n  ]")
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ import dataclasses
 
 import torch
 
-from hyscale_compile.runtime import hytopk, reference, score_tile
+from hyscale_compile.runtime import reference, score_tile
+from hyscale_compile.runtime.filter import filter_rows
+from hyscale_compile.runtime.plan import Tuning, make_plan
+from hyscale_compile.runtime.problem import Problem
 from hyscale_compile.runtime.reference import Visibility
 
 GUARD = 0x5A5A5A5A5A5A5A5A
@@ -43,15 +46,11 @@ def check(q: torch.Tensor, kx: torch.Tensor, w: torch.Tensor, C: int, append: in
         distinct, per = torch.unique(keys[r][visible[r]], sorted=True, return_counts=True)
         at_or_above = per.flip(0).cumsum(0).flip(0)  # entries >= each distinct key
         thr[r] = distinct[(at_or_above - m).abs().argmin()]
-    old = score_tile.TILE
-    score_tile.TILE = dataclasses.replace(old, append=append, bs=bs)
-    try:
-        pb = hytopk._Problem(q, kx, w, 0.5, True, vis, float("-inf"))
-        guarded = torch.full((T + score_tile.TILE.bt, C + 8), GUARD, dtype=torch.int64, device=dev)
-        buf = guarded[:T]  # the rows after it: a guard for the query block's rows past T
-        cnt = hytopk.filter_rows(pb, thr, buf, C)
-    finally:
-        score_tile.TILE = old
+    tuning = Tuning(tile=dataclasses.replace(score_tile.TILE, append=append, bs=bs), capacity=C)
+    pb = Problem(q, kx, w, 0.5, True, vis, float("-inf"), tuning.tile)
+    guarded = torch.full((T + pb.tile.bt, C + 8), GUARD, dtype=torch.int64, device=dev)
+    buf = guarded[:T]  # the rows after it: a guard for the query block's rows past T
+    cnt = filter_rows(pb, make_plan(pb, 16, tuning), thr, buf)
     assert (guarded[T:] == GUARD).all(), "written past the last row"
     raw = (val.view(torch.int32).long() << 32) | torch.arange(S, device=dev)
     for r in range(T):

@@ -1,6 +1,7 @@
 """The device benchmarks still run: each one's --smoke mode (tiny shapes, CPU interpreter, prints only).
 
-A benchmark that breaks is found here, not in a device call that costs the project's GPU time.
+A benchmark that breaks is found here, not in a device call that costs the project's GPU time. Every
+script under benchmarks/ (the published ones and benchmarks/tuning/) is listed: a new one must be too.
 """
 
 from __future__ import annotations
@@ -14,10 +15,20 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPTS = ["selection.py", "training.py", "context_parallel.py", "precision.py", "sparse_attention.py", "model.py",
+           "families.py", "tuning/tune_selection.py",
+           "tuning/tune_descriptors.py", "tuning/tune_floor_ws.py", "tuning/tune_replay.py", "tuning/recovery.py",
+           "tuning/host_overhead.py", "tuning/candidate_target.py"]
+LIBRARIES = ["floor.py", "peers/__init__.py", "peers/__main__.py"]  # imported by the scripts, not run
 
 
-@pytest.mark.parametrize("script", ["training.py", "tune_replay.py", "recovery.py", "tune_floor_ws.py",
-                                    "tune_descriptors.py", "precision.py", "sparse_attention.py", "model.py"])
+def test_every_script_is_smoke_tested():
+    found = {str(p.relative_to(BENCHMARKS)) for p in BENCHMARKS.rglob("*.py")}
+    listed = set(SCRIPTS + LIBRARIES)
+    assert found == listed, f"listed here but missing, or there but not listed: {sorted(found ^ listed)}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_smoke_runs(script):
     env = dict(os.environ)
     if not torch.cuda.is_available():

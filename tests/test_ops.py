@@ -1,4 +1,4 @@
-"""The operator contract (shared design notes, section 3) on the CPU reference, against a brute force."""
+"""The operator contract (docs/design.md, section 3) on the CPU reference, against a brute force."""
 
 from __future__ import annotations
 

@@ -19,10 +19,11 @@ def indexer_topk(q: Tensor, kx: Tensor, k: int, *, weights: Tensor | None = None
     starts / ends: [B, T] integer windows [start, end). mask: bool (True = visible) or additive float,
     broadcastable to [B, T, S]. Masked picks (rows with fewer than k visible keys) have value ``fill``.
     Returns (values fp32 [B, T, k], indices int64 [B, T, k]), ordered by value desc then position asc;
-    with sorted=False (on CUDA) the same entries per row in an unspecified order, which may differ from
-    run to run (as torch.topk promises no order): use it only where the order cannot matter.
-    Gradients of the values are fp32-exact; low_precision_grad=True rounds the score gradients to q's
-    16-bit dtype in the backward's matrix products (as flash-attention does), for models that score in 16-bit.
+    with sorted=False the same entries per row in an unspecified order (on CUDA it may differ from run to
+    run, as torch.topk promises no order; on CPU it is ascending position): use it only where the order
+    cannot matter. Gradients of the values are fp32-exact; low_precision_grad=True rounds the score
+    gradients to q's 16-bit dtype in the backward's matrix products (as flash-attention does), for models
+    that score in 16-bit.
     """
     causal = query_offset is not None
     offset, offsets = 0, None

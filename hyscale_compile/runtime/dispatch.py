@@ -7,13 +7,13 @@ which is how CI checks the kernels without a GPU.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 from collections.abc import Iterator
 
 from torch import Tensor
 
 from . import reference
+from .env import triton_available
 
 _forced: str | None = os.environ.get("HYSCALE_RUNTIME") or None
 
@@ -29,15 +29,6 @@ def force_backend(name: str | None) -> Iterator[None]:
         yield
     finally:
         _forced = old
-
-
-def interpreting() -> bool:
-    """Triton kernels run in the interpreter (on the CPU, programs one after another)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def backend_for(t: Tensor) -> str:

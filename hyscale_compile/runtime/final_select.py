@@ -1,13 +1,14 @@
-"""The last HyTopK stage: each row's exact top k of its candidate buffer, sorted.
+"""The last HyTopK stage: each row's exact top k of its candidate buffer.
 
 It replaces ``torch.topk`` over the whole buffer (a radix select that reads all W int64 entries of
-a row on every pass: 1.8 ms for 4096 x 13824 on an H200) with one read of each row in a Triton
-kernel; a second one sorts each row's k winners in registers and decodes them. Entries are raw: fp32 value
-bits high, position low, -1 empty. They rank by the unique (value, position) composite of
-``score_tile.composite``.
+a row on every pass; benchmarks/NOTES-selection.md, "Defaults and the measurements behind them":
+final select) with one read of each row in a Triton kernel; ``final_sort`` then sorts each
+row's k winners in registers and decodes them. Entries are raw: fp32 value bits high, position low,
+-1 empty. They rank by the unique (value, position) composite of ``score_tile.composite``.
 
 Per row, in one program:
     pivots -> two entries of a strided sample of the row (sorted): hi ranks above the k-th, lo below
+              (``final_pivots``)
     split  -> one pass over the row: entries >= hi are winners, written to the row's output slots;
               entries in [lo, hi) go to a list (about 2k of 13824 at k = 2048): the program's
               scratch, or (row_lists) the row's own unused candidate slots, and where those are
@@ -15,7 +16,7 @@ Per row, in one program:
     select -> the k-th of the list by bisection over counts: its key first, then (only if entries of
               that key straddle it) the position among them; every pass is 32-bit work
     emit   -> the list entries that rank at or above it fill the remaining output slots
-and then, per row in a kernel of its own (fewer registers, more warps: sort_decode_kernel):
+and then, per row in a kernel of its own (fewer registers, more warps: final_sort.sort_decode_kernel):
     sort   -> the k winners, back into registers: a bitonic sort, decode, store values and positions
 A row whose pivots miss (k or more entries >= hi, fewer than k >= lo, or more between than the list
 holds) selects over its whole buffer the same way: slower, equally exact. Counts never leave the
@@ -24,22 +25,19 @@ device, so a call does not synchronize and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from .final_pivots import SAMPLE, list_room, pivot_ranks, pool_lists
+from .final_sort import decode, decode_words, sort_decode_kernel, sort_warps, sort_width
 from .reference import order_key as order_key_ref
 from .score_tile import INT64_MIN, composite, order_key
 
 INT64_MAX = 2**63 - 1
-SAMPLE = 512  # sample entries per row for the pivots
 CHUNK = 1024  # entries per step of the pass over a row
 LIST_CHUNK = 512  # entries per step over a scratch list
-SORT_MAX = 2048  # widest in-kernel sort of a row's winners (16 int64 registers a thread at 4 warps)
-MARGIN_SD = 4.5  # pivot ranks this many standard deviations of the sample rank away from the k-th
 
 _MIN = tl.constexpr(INT64_MIN)
 _MAX = tl.constexpr(INT64_MAX)
@@ -168,45 +166,15 @@ def _emit(ptr, n, seam, jump, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TP
 
 
 @triton.jit
-def _decode_words(x):
-    """Composites -> (canonical fp32 values, int64 positions); see decode."""
-    key = (x >> 32).to(tl.int32)
-    bits = key ^ ((key >> 31) & 0x7FFFFFFF)  # order key -> fp32 bits (an involution)
-    pos = (~x.to(tl.int32)).to(tl.int64)  # the low word is 0xFFFFFFFF - position, -1 - position as int32
-    return bits.to(tl.float32, bitcast=True), pos
-
-
-@triton.jit
-def _sort_decode(dst, val, k, KP: tl.constexpr):
-    """dst[0:k] composites -> sorted descending, then val[0:k] values and dst[0:k] positions."""
-    tl.debug_barrier()  # the winners were written by other threads
-    j = tl.arange(0, KP)
-    v, pos = _decode_words(tl.sort(tl.load(dst + j, mask=j < k, other=_MIN), descending=True))
-    tl.debug_barrier()  # every thread has its winners before the positions overwrite them
-    tl.store(val + j, v, mask=j < k)
-    tl.store(dst + j, pos, mask=j < k)
-
-
-@triton.jit
 def _decode_in_place(dst, val, k, CH: tl.constexpr):
     """dst[0:k] composites -> val[0:k] values and dst[0:k] positions, where they lie, CH at a time
     (each entry is read and rewritten by the same thread: one barrier, before, is enough)."""
     tl.debug_barrier()  # the winners were written by other threads
     for c0 in range(0, k, CH):
         j = c0 + tl.arange(0, CH)
-        v, pos = _decode_words(tl.load(dst + j, mask=j < k, other=0))
+        v, pos = decode_words(tl.load(dst + j, mask=j < k, other=0))
         tl.store(val + j, v, mask=j < k)
         tl.store(dst + j, pos, mask=j < k)
-
-
-@triton.jit
-def sort_decode_kernel(comp_ptr, val_ptr, k, KP: tl.constexpr):
-    """Row r's k composites (comp[r, :k]) sorted descending, then decoded: val[r, :k] the values and
-    comp[r, :k] the positions. Apart from the final select, whose other steps need 4 warps and 96
-    registers: the sort alone runs at 16 warps and 62 registers for k = 2048 (two rows per SM, 32
-    warps), where inside the final select it had 4 warps at 128 registers and a spill."""
-    r = tl.program_id(0).to(tl.int64)
-    _sort_decode(comp_ptr + r * k, val_ptr + r * k, k, KP)
 
 
 # W and cap unspecialized: rows then look unaligned, so the loads are not vectorized and keep the layout
@@ -285,53 +253,6 @@ def final_select_kernel(buf_ptr, used_ptr, tail_ptr, out_ptr, val_ptr, scr_ptr, 
         row = tl.atomic_add(next_ptr, 1, sem="relaxed").to(tl.int64)
 
 
-def _ranks_between(i_hi: int, i_lo: int, S: int) -> int:
-    """Sample ranks from just below the hi pivot to the lo pivot, clipped to the sample (a rank outside
-    [0, S) means no pivot there): each stands for W / S slots of the row."""
-    return min(i_lo, S - 1) - max(i_hi, -1)
-
-
-def pivot_ranks(k: int, W: int, S: int = SAMPLE) -> tuple[int, int, int]:
-    """(i_hi, i_lo, cap): sample ranks (descending, 0-based) of the pivots and the scratch list size.
-
-    About k*S/W of the S sampled slots hold an entry >= the row's k-th (empty slots rank lowest),
-    with standard deviation sqrt(S p (1 - p)), p = k/W; the pivots sit MARGIN_SD of those (plus a
-    repeat of a short row) away on either side. Ranks outside [0, S) mean "no pivot there". The list
-    gets twice the expected count of entries between the pivots (that count varies by about
-    1/sqrt(ranks between) of itself).
-    """
-    p = k / W
-    margin = math.ceil(MARGIN_SD * math.sqrt(S * p * (1 - p)) + S / W) + 1  # S/W: a short row repeats in the sample
-    i_hi = math.floor(k * S / W) - 1 - margin
-    i_lo = math.ceil(k * S / W) - 1 + margin
-    between = _ranks_between(i_hi, i_lo, S) * W / S
-    return i_hi, i_lo, max(1, min(W, int(2 * between) + 64))
-
-
-def list_room(k: int, W: int, S: int = SAMPLE) -> int:
-    """Unused slots a row needs to hold its own list: the expected count between the pivots and three
-    of its standard deviations (it varies by about 1/sqrt(ranks between) of itself)."""
-    i_hi, i_lo, _ = pivot_ranks(k, W, S)
-    ranks = max(1, _ranks_between(i_hi, i_lo, S))
-    between = ranks * W / S
-    return math.ceil(between + 3 * between / math.sqrt(ranks)) + 64
-
-
-def lists_fit_rows(k: int, W: int, room: int, S: int = SAMPLE) -> bool:
-    """Whether rows with about ``room`` unused candidate slots (the typical row) can hold their own
-    lists (row_lists); a row with less than ``list_room`` takes a list from the pool."""
-    return room >= list_room(k, W, S)
-
-
-def pool_lists(R: int) -> int:
-    """Lists of the pool for rows short of room, which with row_lists chosen by ``hytopk.row_lists``
-    come from the spread of the threshold alone: one for every 16 rows. H200, k = 2048, 512 samples:
-    at (2048, 524288) used slots are 7255 on average, 10884 at most, and 15 of 2048 rows had too
-    little room for their lists (0 of 4096 at (4096, 131072)); each such row without a pool list
-    selects over its whole buffer, and a few of them add ~0.1 ms at the end of the kernel."""
-    return max(16, R // 16)
-
-
 def _programs(device: torch.device) -> int:
     """About what fits at once (96 registers x 128 threads: 5 per SM on an H200); more only idle."""
     if device.type == "cuda":
@@ -390,27 +311,11 @@ def select_composites(buf: Tensor, k: int, *, used: Used = None, sample: int = S
     return out, _launch(buf, k, out, None, used, sample, ranks, cap, chunk, list_chunk, warps, row_lists, pool)
 
 
-def sort_width(k: int) -> int:
-    """The in-kernel sort's width for k (a power of two), or 0 where k is past what registers hold."""
-    kp = 1 << max(0, (k - 1).bit_length())
-    return kp if kp <= SORT_MAX else 0
-
-
-def sort_warps(kp: int) -> int:
-    """Warps of the sort kernel: 4 entries a thread, 4 to 16 warps, and one warp up to 512 entries.
-    On the H200 at k = 2048 (8192 rows, the final select and the sort together): 1.81 / 2.12 / 1.64 ms
-    at 4 / 8 / 16 warps, 1.89 ms sorted inside the final select. The sort alone at 4096 rows
-    (NOTES-selection.md, v10): k = 2048 0.64 / 0.55 / 0.63 / 0.78 / 0.53 ms at
-    1 / 2 / 4 / 8 / 16 warps; k = 512 0.040 / 0.067 / 0.053 / 0.060 / 0.065 ms (one warp holds the
-    row in registers: no shared memory, no barriers; at k = 2048 its 254 registers leave too few warps)."""
-    return 1 if kp <= 512 else max(4, min(16, kp // 128))
-
-
 def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, sample: int = SAMPLE,
                   ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int = CHUNK,
                   list_chunk: int = LIST_CHUNK, warps: int = 4, row_lists: bool = False,
                   pool: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(values fp32 [R, k], positions int64 [R, k], fast flags): ``select_rows`` with the knobs above.
+    """(values fp32 [R, k], positions int64 [R, k], fast flags): ``select_rows`` with the options above.
 
     Up to SORT_MAX winners are sorted and decoded by ``sort_decode_kernel`` in the positions' memory
     (the composites and the positions have the same size), so no [R, k] temporary exists; past it the
@@ -431,20 +336,6 @@ def select_sorted(buf: Tensor, k: int, *, used: Used = None, sort: bool = True, 
         kp = sort_width(k)
         sort_decode_kernel[(buf.shape[0],)](indices, values, k, KP=kp, num_warps=sort_warps(kp))
     return values, indices, fast
-
-
-def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
-    """Composites -> (canonical fp32 values, int64 positions), working on the 32-bit halves.
-
-    On a little-endian device an int64 viewed as int32 pairs is (low, high): high is the order key,
-    whose bits come back as key ^ 0x7FFFFFFF for negative keys; low is 0xFFFFFFFF - position.
-    """
-    words = comp.view(torch.int32).unflatten(-1, (-1, 2))
-    key, low = words[..., 1], words[..., 0]
-    bits = key >> 31
-    bits &= 0x7FFFFFFF
-    bits ^= key
-    return bits.view(torch.float32), torch.bitwise_not(low).long()
 
 
 def select_rows(buf: Tensor, k: int, used: Used = None, sorted: bool = True,

@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of the indexer selection operators.
 
-This file *is* the operator contract (shared design notes, section 3) written as code:
+This file *is* the operator contract (docs/design.md, section 3) written as code:
 
     score[b, t, s] = sum_h w[b, t, h] * act(scale * dot(q[b, t, h, :], kx[b, s, :]))   (fp32)
                    = sum_h (scale * w[b, t, h]) * act'(dot(...))   as it is evaluated: one rounding
@@ -147,7 +147,12 @@ def topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
            vis: Visibility, fill: float, sorted: bool = True) -> tuple[Tensor, Tensor]:
-    """Exact top-k per query row. ``sorted`` is accepted for the kernel interface; output is always sorted."""
+    """Exact top-k per query row, ordered by (value desc, position asc).
+
+    sorted=False returns the same entries per row in ascending position order: as the contract allows
+    (any deterministic order), and unlike the sorted one, so that code which wrongly relies on the
+    order of an unsorted selection fails on the CPU too, not only with the kernels' order.
+    """
     B, T, H, _ = q.shape
     S = kx.shape[1]
     values = torch.empty(B, T, k, dtype=torch.float32, device=q.device)
@@ -156,6 +161,9 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         v, i = topk_rows(value_rows(q, kx, weights, scale, relu, vis, fill, t0, t1), k)
+        if not sorted:
+            i, order = i.sort(dim=-1)
+            v = v.gather(-1, order)
         values[:, t0:t1] = v
         indices[:, t0:t1] = i
     return values, indices
@@ -175,13 +183,14 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
 
 
 def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor,
-                    scale: float, relu: bool, vis: Visibility, deterministic: bool = True,
+                    scale: float, relu: bool, vis: Visibility, deterministic: bool = False,
                     low_precision: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Gradients of sum(grad_values * values) w.r.t. q, kx, weights, touching only the selected keys.
 
     Masked picks carry a constant (the fill), so they get no gradient. dkx is accumulated with
-    index_add_, deterministic on CPU; everything is fp32 (``deterministic`` and ``low_precision`` are the
-    kernels' choices, taken here so that both implementations have one signature).
+    index_add_, deterministic on CPU whatever ``deterministic`` asks, and everything is fp32 whatever
+    ``low_precision`` asks (both are there for the kernels' interface: the Triton backward may use float
+    atomics unless deterministic, and 16-bit score gradients where low_precision).
     """
     B, T, H, D = q.shape
     S = kx.shape[1]

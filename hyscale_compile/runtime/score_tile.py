@@ -12,7 +12,8 @@ Why the fold: per head and element the tile then costs one max and one FMA after
 multiply, a compare-select and a multiply-add), and that epilogue is what bounds the kernel.
 
 ``tile_values`` applies the visibility (range, bool mask, additive bias, fill) exactly as the
-reference does, and ``order_key`` / ``composite`` give the integer orders the selection works in.
+reference does, ``block_rows`` gives a query block's rows and ranges, and ``order_key`` /
+``composite`` give the integer orders the selection works in.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import interpreting
+from .env import interpreting
 
 
 @dataclass
@@ -34,14 +35,14 @@ class TileConfig:
     bs: int = 128  # keys per tile
     warps: int = 4
     stages: int = 2
-    # filter append: 0 block scan, 1 atomic per entry, 2 the same in PTX, 3 slots reserved per thread;
-    # None: 2 or 3 by the expected share of entries that pass (hytopk.append_kind)
+    # how the filter hands out candidate slots: one of filter_append's APPEND_* (scan, atomic, PTX,
+    # reserved); None: the rule of plan.append_kind
     append: int | None = None
     maxnreg: int | None = None  # register cap (fewer registers -> more tiles in flight per SM)
     tma: bool = True  # block_kernel reads q and kx by tensor descriptor where tma_views allows
 
 
-TILE = TileConfig()  # read at each call; change it only between calls (benchmarks sweep it)
+TILE = TileConfig()  # the tile of every call (a plan.Tuning names another for one call)
 
 INT32_MIN = -(2**31)
 INT64_MIN = -(2**63)
@@ -62,14 +63,13 @@ def block_d(D: int) -> int:
 
 
 def tma_views(q: torch.Tensor, kx: torch.Tensor, tile: TileConfig) -> dict:
-    """block_kernel's extra arguments for reading q and kx through tensor descriptors (TMA), or {}
+    """filter_kernel's extra arguments for reading q and kx through tensor descriptors (TMA), or {}
     where their layout or the device does not allow it (the pointer path then runs, same bits).
 
-    H200, the scoring floor at (4096, 131072, H=16 / 64): 3.09 / 12.6 ms with q and kx by descriptor
-    and the weights by pointer, 3.53 / 14.8 ms by pointers (benchmarks/results/tune_floor_ws.json).
-    Needs 16-bit operands and D of 64 or 128 on NVIDIA sm_90+ (any dtype and power of two under the
-    interpreter), q rows [B*T, H*D] and kx rows [B*S, D] as 2-D views with unit last stride, 16-byte
-    aligned bases and row strides.
+    The scoring floor runs faster so (benchmarks/NOTES-selection.md, "Defaults and the measurements
+    behind them": descriptors). Needs 16-bit operands and D of 64 or 128 on NVIDIA sm_90+ (any dtype
+    and power of two under the interpreter), q rows [B*T, H*D] and kx rows [B*S, D] as 2-D views
+    with unit last stride, 16-byte aligned bases and row strides.
     """
     B, T, H, D = q.shape
     S = kx.shape[1]
@@ -180,6 +180,19 @@ def tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
         moff = rows_b[:, None] * smb + rows_t[:, None] * smt + cols[None, :] * sms
         visible = visible & (tl.load(mask_ptr + moff, mask=in_range, other=0) != 0)
     return tl.where(visible, v, fill), in_range
+
+
+@triton.jit
+def block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT: tl.constexpr):
+    """Rows of one query block, their [lo, hi) ranges, and the union range of the block."""
+    rows_t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
+    row_ok = rows_t < T
+    rid = b * T + rows_t
+    lo = tl.load(lo_ptr + rid, mask=row_ok, other=0)
+    hi = tl.load(hi_ptr + rid, mask=row_ok, other=0)
+    blo = tl.min(tl.where(row_ok & (hi > lo), lo, S), axis=0)
+    bhi = tl.max(tl.where(row_ok, hi, 0), axis=0)
+    return rows_t, row_ok, rid, lo, hi, blo, bhi
 
 
 @triton.jit

@@ -31,17 +31,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dispatch import interpreting
+from .env import interpreting
 from .reference import Visibility
 from .score_tile import precision
 
-# Deterministic dkx even when the caller allows atomics: it is faster than the atomic path on the H200
-# (kernel time, benchmarks/results/tune_replay_defaults.json, k=2048: 2.08 vs 2.90 ms at T=2048,
-# S=65536, H=16; 4.27 vs 6.41 at T=4096, S=131072; 6.41 vs 9.51 at H=64; the rule is <= 1.3x).
+# Deterministic dkx even when the caller allows atomics: it measured faster than the atomic path at every
+# training shape (the rule: deterministic unless it costs more than 1.3x; benchmarks/NOTES-selection.md,
+# "Defaults and the measurements behind them": deterministic dkx).
 PREFER_DETERMINISTIC = True
 
 # Upper bound on the fp32 contribution buffer of the deterministic path; rows go in chunks under it
-# (at 1 GiB it set the step's peak memory on the H200; each chunk costs two launches, and each group
+# (at 1 GiB it set the training step's peak memory; each chunk costs two launches, and each group
 # of chunks one sort).
 _CONTRIB_BYTES = 1 << 29
 # Upper bound on the scratch of one sort that orders the picks of several chunks (keys, sorted keys,
@@ -55,9 +55,9 @@ SEGMENT_KEYS = 16  # key positions per program of the deterministic dkx reductio
 # Row program shape: picks per step, steps loaded ahead of use (num_stages), and programs per SM to
 # aim for by splitting each row's picks over slices (0: no slices). A chunk has few rows (the
 # contribution buffer caps it near 512 at k=2048), so wide rows (heads x dim past 4096) need the
-# slices. benchmarks/tune_replay.py on the H200, k=2048: H=64 7.95 -> 6.64 ms with (64, 3, 8) over
-# (32, 1, 0); H=16 within 2% either way (2.26 / 2.22 ms at T=2048, S=65536), and there (32, 1, 0)
-# launches fewer host ops per chunk (the small training step is bound by the host). None: the rule.
+# slices: (64, 3, 8) there; narrow rows measured even either way, and (32, 1, 0) launches fewer host
+# ops per chunk (the small training step is bound by the host) (benchmarks/NOTES-selection.md,
+# "Defaults and the measurements behind them": backward row shape). None: the rule.
 ROW_PICKS: int | None = None
 ROW_STAGES: int | None = None
 PROGRAMS_PER_SM: int | None = None

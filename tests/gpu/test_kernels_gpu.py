@@ -21,8 +21,10 @@ def _mods():
     return hytopk, reference, stats
 
 
-def knobs(**kw):
-    return _mods()[0].override(**kw)
+def tuning(**kw):
+    from hyscale_compile.runtime.plan import Tuning
+
+    return Tuning(**kw)
 
 
 def exact_inputs(B, T, H, D, S, dtype=torch.bfloat16, seed=0):
@@ -38,9 +40,9 @@ def same(a, b) -> bool:
     return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
-def check_exact(q, kx, w, k, vis, fill=NEG_INF, relu=True, scale=0.5):
+def check_exact(q, kx, w, k, vis, fill=NEG_INF, relu=True, scale=0.5, over=None):
     hytopk, reference, _ = _mods()
-    v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill)
+    v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill, tuning=over or tuning())
     rv, ri = reference.select(q, kx, w, k, scale, relu, vis, fill)
     assert same(v, rv)
     assert torch.equal(i, ri)
@@ -72,14 +74,13 @@ def test_forced_recovery_and_fallback_exact():
     q, kx, w = exact_inputs(1, 200, 4, 64, 12000, seed=5)
     vis = Visibility(causal=True, offset=12000 - 200)
     stats.reset()
-    with knobs(capacity=280, target=300):  # most rows overflow: > 64 flagged
-        check_exact(q, kx, w, 256, vis)
+    check_exact(q, kx, w, 256, vis, over=tuning(capacity=280, target=300))  # most rows overflow: > 64 flagged
     s = stats.read()
     assert s.rows_recovered > 64 and s.fallbacks == 1
     stats.reset()
     q1 = q[:, :40].contiguous()
-    with knobs(capacity=280, target=300):
-        check_exact(q1, kx, w[:, :40].contiguous(), 256, Visibility(causal=True, offset=12000 - 40))
+    check_exact(q1, kx, w[:, :40].contiguous(), 256, Visibility(causal=True, offset=12000 - 40),
+                over=tuning(capacity=280, target=300))
     s = stats.read()
     assert 0 < s.rows_recovered <= 64 and s.fallbacks == 0
 
@@ -111,6 +112,7 @@ def test_descriptor_path_same_bits(dtype, H):
     import dataclasses
 
     from hyscale_compile.runtime import score_tile
+    from hyscale_compile.runtime.problem import Problem
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need sm_90 or newer")
@@ -121,15 +123,11 @@ def test_descriptor_path_same_bits(dtype, H):
     kx = torch.randn(B, S, 128, device="cuda", generator=g).to(dtype)
     w = torch.randn(B, T, H, device="cuda", generator=g)
     vis = Visibility(causal=True, offset=S - T)
-    old = score_tile.TILE
-    try:
-        score_tile.TILE = dataclasses.replace(old, tma=True)
-        assert hytopk._Problem(q, kx, w, 0.1, True, vis, NEG_INF).block_extra, "descriptors expected on sm_90+"
-        v, i = hytopk.select(q, kx, w, 1024, 0.1, True, vis, NEG_INF)
-        score_tile.TILE = dataclasses.replace(old, tma=False)
-        pv, pi = hytopk.select(q, kx, w, 1024, 0.1, True, vis, NEG_INF)
-    finally:
-        score_tile.TILE = old
+    desc = tuning(tile=dataclasses.replace(score_tile.TILE, tma=True))
+    assert Problem(q, kx, w, 0.1, True, vis, NEG_INF, desc.tile).descriptors, "descriptors expected on sm_90+"
+    v, i = hytopk.select(q, kx, w, 1024, 0.1, True, vis, NEG_INF, tuning=desc)
+    ptr = tuning(tile=dataclasses.replace(score_tile.TILE, tma=False))
+    pv, pi = hytopk.select(q, kx, w, 1024, 0.1, True, vis, NEG_INF, tuning=ptr)
     assert torch.equal(v.view(torch.int32), pv.view(torch.int32)) and torch.equal(i, pi)
     r = hytopk.rescore(q, kx, w, i, 0.1, True, vis, NEG_INF)
     assert torch.equal(r.view(torch.int32), v.view(torch.int32))
@@ -160,24 +158,28 @@ def test_recovery_sync_free_and_graph_capture():
     hytopk, _, _ = _mods()
     q, kx, w = exact_inputs(1, 64, 8, 128, 16384, seed=9)
     vis = Visibility(causal=True, offset=16384 - 64)
-    with knobs(capacity=700, target=350):
-        ref = hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            again = hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF)  # warm up on the capture stream
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF)
-        graph.replay()
-        torch.cuda.synchronize()
+    small = tuning(capacity=700, target=350)
+
+    def select():
+        return hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF, tuning=small)
+
+    ref = select()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = select()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        select()  # warm up on the capture stream
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = select()
+    graph.replay()
+    torch.cuda.synchronize()
     for out in (again, captured):
         assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)) and torch.equal(out[1], ref[1])
 

@@ -13,6 +13,7 @@ import struct
 import pytest
 import torch
 
+from hyscale_compile.runtime import final_pivots, final_sort, plan, reference
 from hyscale_compile.runtime import final_select as fs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,7 +57,7 @@ def check(buf: torch.Tensor, k: int, fast: bool | None = None, **kw) -> tuple[to
     ref_v, ref_i = fs.select_rows_reference(buf, k, kw.get("used"))
     if kw:
         comp, took = fs.select_composites(buf, k, **kw)
-        results = [(*fs.decode(torch.sort(comp, dim=1, descending=True).values), took)]
+        results = [(*final_sort.decode(torch.sort(comp, dim=1, descending=True).values), took)]
         results.append(fs.select_sorted(buf, k, **kw))
     else:
         results = [(*fs.select_rows(buf, k), None)]
@@ -111,7 +112,7 @@ def test_decode_matches_reference_decode():
     R, W = 3, 50
     buf = rows_of(special_values(R, W, seed=3), R, W, W, seed=4)
     comp, _ = fs.select_composites(buf, W, **SMALL)
-    v, i = fs.decode(torch.sort(comp, dim=1, descending=True).values)
+    v, i = final_sort.decode(torch.sort(comp, dim=1, descending=True).values)
     ref_v, ref_i = fs.select_rows_reference(buf, W)
     assert torch.equal(v.view(torch.int32), ref_v.view(torch.int32)) and torch.equal(i, ref_i)
 
@@ -263,7 +264,7 @@ def test_row_lists(case):
     of those are left, in a list of the pool; with no pool list left such a row selects over its whole
     buffer. Every path is exact, and the slots the select reads stay as they were."""
     R, W, C, k = 3, 300, 260, 10
-    room = fs.list_room(k, W, SMALL["sample"])
+    room = final_pivots.list_room(k, W, SMALL["sample"])
     counts, fast, pool, ranks = {
         "rooms": ([20, 30, C - room], True, 0, None),  # every row has room (the last exactly enough)
         "pool": ([150, 250, C], True, R, (-1, 31)),  # none has: each takes a pool list
@@ -283,32 +284,31 @@ def test_row_lists_need_used_and_the_rule_picks_them():
     buf = rows_of(torch.randn(2, 50), 2, 50, 50, seed=36)
     with pytest.raises(AssertionError, match="row_lists"):
         fs.select_composites(buf, 5, row_lists=True, **SMALL)
-    from hyscale_compile.runtime import hytopk
     from hyscale_compile.runtime.reference import Visibility
 
     def rule(k, S, vis):
-        _, cap, _ = hytopk.sizes(k, S)
-        return hytopk.row_lists(k, S, cap + k, vis)
+        target, cap, _ = plan.sizes(k, S)
+        return plan.row_lists(k, S, target, cap, vis)
 
     T = 4096
     for k, S in ((2048, 131072), (2048, 524288), (512, 262144), (16, 2**20), (1024, 65536)):
         # every row sampled: queries at the end of a long context, or no causal limit at all
         assert rule(k, S, Visibility(causal=True, offset=S - T)), (k, S)
         assert rule(k, S, Visibility()), (k, S)
-    _, cap, _ = hytopk.sizes(2048, 131072)
+    _, cap, _ = plan.sizes(2048, 131072)
     assert rule(2048, 131072, Visibility(causal=True, offset=cap))  # row 0 sees cap + 1 keys
     assert not rule(2048, 131072, Visibility(causal=True, offset=cap - 1))  # row 0 sees cap: not sampled
     assert not rule(2048, 131072, Visibility(causal=True))  # a prefill: its first rows keep every key
     assert not rule(2048, 131072, Visibility(causal=True, offset=10**6, offsets=torch.zeros(1)))  # unknown
     assert not rule(2048, 131072, Visibility(starts=torch.zeros(1, T), ends=torch.full((1, T), 9000)))
     assert not rule(2048, 8000, Visibility())  # not sampled at all: a row may fill all its slots
-    assert fs.lists_fit_rows(2048, 13824, fs.list_room(2048, 13824))
-    assert not fs.lists_fit_rows(2048, 13824, fs.list_room(2048, 13824) - 1)
+    assert final_pivots.lists_fit_rows(2048, 13824, final_pivots.list_room(2048, 13824))
+    assert not final_pivots.lists_fit_rows(2048, 13824, final_pivots.list_room(2048, 13824) - 1)
 
 
 def _row_sorted(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows put in (value desc, position asc) order, as the reference returns them."""
-    comp = (fs.order_key_ref(values).long() << 32) | (0xFFFFFFFF - indices)
+    comp = (reference.order_key(values).long() << 32) | (0xFFFFFFFF - indices)
     order = torch.sort(comp, dim=1, descending=True).indices
     return values.gather(1, order), indices.gather(1, order)
 
@@ -316,7 +316,7 @@ def _row_sorted(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tens
 @pytest.mark.parametrize("sort_max", [2048, 16])  # in-kernel decode, and composites + decode past it
 def test_unsorted_rows_hold_the_same_entries(sort_max, monkeypatch):
     """sorted=False: each row's k winners, decoded where they lie, in an order that repeats run to run."""
-    monkeypatch.setattr(fs, "SORT_MAX", sort_max)
+    monkeypatch.setattr(final_sort, "SORT_MAX", sort_max)
     R, W, k = 3, 150, 21
     g = torch.Generator().manual_seed(32)
     buf = rows_of(torch.randint(-3, 4, (R, W), generator=g) / 2, R, W, [150, 90, 60], seed=33, packed=True)
@@ -335,8 +335,8 @@ def test_k_past_the_in_kernel_sort(monkeypatch):
     R, W, k = 3, 90, 20
     g = torch.Generator().manual_seed(28)
     buf = rows_of(torch.randint(-3, 4, (R, W), generator=g).float(), R, W, [90, 45, 20], seed=29)
-    monkeypatch.setattr(fs, "SORT_MAX", 16)
-    assert fs.sort_width(k) == 0 and fs.sort_width(16) == 16
+    monkeypatch.setattr(final_sort, "SORT_MAX", 16)
+    assert final_sort.sort_width(k) == 0 and final_sort.sort_width(16) == 16
     check(buf, k, **SMALL)
     check(buf, 16, **SMALL)
 
@@ -365,7 +365,7 @@ def test_gpu_real_sizes(R, W, k, kind):
         rank = torch.zeros(R, W, dtype=torch.int64, device="cuda")
     buf = torch.where(rank < n_valid, raw(values, pos), SENTINEL)
     comp, took = fs.select_composites(buf, k)
-    values, indices = fs.decode(torch.sort(comp, dim=1, descending=True).values)
+    values, indices = final_sort.decode(torch.sort(comp, dim=1, descending=True).values)
     ref_v, ref_i = fs.select_rows_reference(buf, k)
     assert torch.equal(values.view(torch.int32), ref_v.view(torch.int32))
     assert torch.equal(indices, ref_i)

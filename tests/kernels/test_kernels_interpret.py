@@ -2,7 +2,8 @@
 
 Inputs are small multiples of 1/8 with small D and H, so every score is exact in any summation
 order and the kernels must match the reference bit for bit (values and indices). Knobs force the
-sampled threshold, overflowing buffers, too-few candidates, and more than 64 flagged rows.
+sampled threshold, overflowing buffers, too-few candidates, and more than 64 flagged rows: each test
+passes its overrides to the call (``plan.Tuning``), nothing global changes.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import math
 import filter_contract
 import pytest
 import torch
+from rescore_tile import rescore_by_tiles
 
-from hyscale_compile.runtime import dispatch, hytopk, reference, score_tile, stats
+from hyscale_compile.runtime import dispatch, hytopk, plan, problem, reference, rescore, sample, score_tile, stats
 from hyscale_compile.runtime import final_select as fs
+from hyscale_compile.runtime.plan import DEFAULT, Tuning, make_plan
+from hyscale_compile.runtime.problem import Problem
 from hyscale_compile.runtime.reference import Visibility
 from hyscale_compile.testing import assert_same_topk
 
@@ -23,15 +27,8 @@ NEG_INF = float("-inf")
 ALL_VISIBLE = Visibility()
 
 
-def knobs(**kw):
-    return hytopk.override(**kw)
-
-
-@pytest.fixture(autouse=True)
-def _small_grids():
-    # One or two programs per launch keep the interpreter fast; the kernels loop over the rest.
-    with knobs(programs=2):
-        yield
+def tile(**changes) -> score_tile.TileConfig:
+    return dataclasses.replace(score_tile.TILE, **changes)
 
 
 def eighths(shape, lo=-4, hi=5, dtype=torch.bfloat16, gen=None):
@@ -51,8 +48,8 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
-def check(q, kx, w, k, scale=0.5, relu=True, vis=ALL_VISIBLE, fill=NEG_INF):
-    v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill)
+def check(q, kx, w, k, scale=0.5, relu=True, vis=ALL_VISIBLE, fill=NEG_INF, tuning=DEFAULT):
+    v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill, tuning=tuning)
     rv, ri = reference.select(q, kx, w, k, scale, relu, vis, fill)
     assert same(v, rv), f"values differ:\n{v}\n{rv}"
     assert torch.equal(i, ri), f"indices differ:\n{i}\n{ri}"
@@ -137,8 +134,7 @@ def test_sampled_threshold_exact():
     """Long-enough rows take the sampled threshold: far fewer candidates than keys, still exact."""
     q, kx, w = inputs(B=1, T=6, S=128, seed=8)
     stats.reset()
-    with knobs(capacity=64, target=40, samples=64):
-        check(q, kx, w, 8, vis=Visibility(causal=True, offset=122))
+    check(q, kx, w, 8, vis=Visibility(causal=True, offset=122), tuning=Tuning(capacity=64, target=40, samples=64))
     s = stats.read()
     assert s.rows == 6 and s.rows_recovered <= 1 and 8 <= s.mean_candidates <= 64
 
@@ -150,8 +146,8 @@ def test_sampled_threshold_split_programs():
     kx = torch.zeros(1, S, 16)
     kx[..., 0] = torch.arange(S) / 8 - 30  # distinct scores, so the sampled quantile is sharp
     stats.reset()
-    with knobs(capacity=200, target=100, samples=300, programs=8):
-        check(q, kx, None, 10, vis=Visibility(causal=True, offset=597), relu=False)
+    check(q, kx, None, 10, vis=Visibility(causal=True, offset=597), relu=False,
+          tuning=Tuning(capacity=200, target=100, samples=300, programs=8))
     s = stats.read()
     assert s.rows_recovered == 0 and 90 <= s.mean_candidates <= 110
 
@@ -162,34 +158,22 @@ def test_append_variants(append):
     the per-entry PTX one runs as the atomic one here, the reserved one as its triton twin) gives the
     same exact result, on tiles inside and across the rows' ranges."""
     q, kx, w = inputs(B=1, T=6, S=128, seed=15)
-    old = score_tile.TILE
-    score_tile.TILE = dataclasses.replace(old, append=append, bs=32)
-    try:
-        with knobs(capacity=64, target=40, samples=64):
-            check(q, kx, w, 8, vis=Visibility(causal=True, offset=122))
-            check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 90, 100]]), causal=True,
-                                              offset=122))
-        # the last row sees 3 keys, so 5 masked positions (value fill) are in its top 8; every context fits
-        # the buffer, so the threshold lets all pass: entries out of range must still never be appended
-        with knobs(capacity=128):
-            check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 90, 125]]), causal=True,
-                                              offset=122))
-    finally:
-        score_tile.TILE = old
+    sampled = Tuning(tile=tile(append=append, bs=32), capacity=64, target=40, samples=64)
+    check(q, kx, w, 8, vis=Visibility(causal=True, offset=122), tuning=sampled)
+    check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 90, 100]]), causal=True, offset=122),
+          tuning=sampled)
+    # the last row sees 3 keys, so 5 masked positions (value fill) are in its top 8; every context fits
+    # the buffer, so the threshold lets all pass: entries out of range must still never be appended
+    check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 90, 125]]), causal=True, offset=122),
+          tuning=Tuning(tile=tile(append=append, bs=32), capacity=128))
 
 
 def test_reserved_append_at_the_default_tile():
     """The reserved append at 128 keys a tile (32 columns a thread: the split the GPU runs), on tiles
     inside and across the rows' ranges; the variants test above splits 8 columns a thread."""
     q, kx, w = inputs(B=1, T=6, S=300, seed=15)
-    old = score_tile.TILE
-    score_tile.TILE = dataclasses.replace(old, append=3, bs=128)
-    try:
-        with knobs(capacity=64, target=40, samples=128):
-            check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 141, 190, 290]]), causal=True,
-                                              offset=294))
-    finally:
-        score_tile.TILE = old
+    check(q, kx, w, 8, vis=Visibility(starts=torch.tensor([[0, 5, 40, 141, 190, 290]]), causal=True, offset=294),
+          tuning=Tuning(tile=tile(append=3, bs=128), capacity=64, target=40, samples=128))
 
 
 @pytest.mark.parametrize("append,bs,masked,windows", [
@@ -208,30 +192,25 @@ def test_append_rule():
     """By default the filter reserves slots per thread, except with many heads (past 32) where few
     entries pass (capacity < S / 16): there it appends per entry. An explicit tile append is kept.
     The interpreter has no PTX: the per-entry PTX append runs as the portable one."""
-    many = hytopk.RESERVED_APPEND_MAX_HEADS + 1
-    for H, want_few in ((2, 3), (hytopk.RESERVED_APPEND_MAX_HEADS, 3), (many, 1)):
-        q, kx, w = inputs(B=1, T=2, H=H, D=16, S=2000, seed=23)
-        pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF)
-        assert hytopk.append_kind(pb, 125) == (3, False), H
-        assert hytopk.append_kind(pb, 124) == (want_few, False), H
-    pb.tile = dataclasses.replace(pb.tile, append=0)
-    assert hytopk.append_kind(pb, 125) == (0, False)
+    many = plan.RESERVED_APPEND_MAX_HEADS + 1
+    for H, want_few in ((2, 3), (plan.RESERVED_APPEND_MAX_HEADS, 3), (many, 1)):
+        assert plan.append_kind(score_tile.TILE, 2000, H, 125, asm=False) == (3, False), H
+        assert plan.append_kind(score_tile.TILE, 2000, H, 124, asm=False) == (want_few, False), H
+    assert plan.append_kind(tile(append=0), 2000, many, 125, asm=False) == (0, False)
+    q, kx, w = inputs(B=1, T=2, H=many, D=16, S=2000, seed=23)  # what a call plans under the interpreter
+    got = make_plan(Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF), 10, Tuning(capacity=124))
+    assert (got.append, got.asm) == (1, False)
 
 
-def test_append_rule_on_gpu(monkeypatch):
+def test_append_rule_on_gpu():
     """Where there is PTX, the reserved append needs a thread per quarter row at most (inline PTX runs
     once per copy of an element, so copies would reserve and store twice): smaller tiles append per entry."""
-    q, kx, w = inputs(B=1, T=2, S=2000, seed=23)
-    pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF)
-    monkeypatch.setattr(hytopk, "interpreting", lambda: False)
     for bt, warps, want in [(64, 4, 3), (16, 4, 2), (32, 4, 3), (32, 8, 2), (64, 8, 3), (128, 8, 3)]:
-        pb.tile = dataclasses.replace(pb.tile, bt=bt, warps=warps, append=None)
-        assert hytopk.append_kind(pb, 125) == (want, True), (bt, warps)
-    pb.tile = dataclasses.replace(pb.tile, bt=64, warps=4)
-    assert hytopk.append_kind(pb, 124) == (3, True)  # few pass, few heads
-    q, kx, w = inputs(B=1, T=2, H=hytopk.RESERVED_APPEND_MAX_HEADS + 1, D=16, S=2000, seed=23)
-    pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF)
-    assert hytopk.append_kind(pb, 124) == (2, True)  # few pass, many heads
+        assert plan.append_kind(tile(bt=bt, warps=warps, append=None), 2000, 2, 125, asm=True) == (want, True), (
+            bt, warps)
+    assert plan.append_kind(score_tile.TILE, 2000, 2, 124, asm=True) == (3, True)  # few pass, few heads
+    many = plan.RESERVED_APPEND_MAX_HEADS + 1
+    assert plan.append_kind(score_tile.TILE, 2000, many, 124, asm=True) == (2, True)  # few pass, many heads
 
 
 def test_descriptor_rule():
@@ -255,7 +234,7 @@ def test_descriptor_rule():
     assert list(score_tile.tma_views(q[:1], kx[:1, 3:], tile)["k_desc"].shape) == [37, 16]  # one batch: any offset
 
 
-def test_descriptor_rule_empty_and_filter_launch(monkeypatch):
+def test_descriptor_rule_empty_and_filter_launch():
     """No descriptor for an empty operand (a TensorDescriptor needs every dimension > 0). Where there is
     PTX and q and kx go by descriptor, both appends of the filter run at 168 registers (none for the
     others); no options where the tile asks for its own append, cap or stages, where the tile is larger,
@@ -263,16 +242,16 @@ def test_descriptor_rule_empty_and_filter_launch(monkeypatch):
     q, kx, w = inputs(B=1, T=2, H=2, D=16, S=40)
     assert score_tile.tma_views(q[:, :0], kx, score_tile.TILE) == {}
     assert score_tile.tma_views(q, kx[:, :0], score_tile.TILE) == {}
-    pb = hytopk._Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF)
-    assert pb.block_extra and hytopk.filter_launch(pb, 2, False) == {}  # no PTX: no options
-    assert hytopk.filter_launch(pb, 2, True) == {"maxnreg": 168}
-    assert hytopk.filter_launch(pb, 3, True) == {"maxnreg": 168}
-    assert hytopk.filter_launch(pb, 1, True) == {} and hytopk.filter_launch(pb, 0, True) == {}
+    assert Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF).descriptors
+    options = plan.filter_options
+    default = score_tile.TILE
+    assert options(default, True, 2, False) == {}  # no PTX: no options
+    assert options(default, True, 2, True) == {"maxnreg": 168}
+    assert options(default, True, 3, True) == {"maxnreg": 168}
+    assert options(default, True, 1, True) == {} and options(default, True, 0, True) == {}
     for change in [dict(append=3), dict(maxnreg=200), dict(stages=3), dict(bt=128)]:
-        pb.tile = dataclasses.replace(score_tile.TILE, **change)
-        assert hytopk.filter_launch(pb, 3, True) == {} and hytopk.filter_launch(pb, 2, True) == {}, change
-    pb.tile, pb.block_extra = score_tile.TILE, {}
-    assert hytopk.filter_launch(pb, 2, True) == {}
+        assert options(tile(**change), True, 3, True) == {} and options(tile(**change), True, 2, True) == {}, change
+    assert options(default, False, 2, True) == {}  # the pointer path
 
 
 @pytest.mark.parametrize("tma", [True, False])
@@ -283,19 +262,15 @@ def test_descriptor_and_pointer_paths(tma):
     q, kx, w = inputs(B=3, T=5, H=2, D=16, S=45, seed=31)
     q[1, 2:] = float("nan")
     kx[1, :3] = 1e4
-    old = score_tile.TILE
-    score_tile.TILE = dataclasses.replace(old, tma=tma)
-    try:
-        assert bool(hytopk._Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF).block_extra) == tma
-        check(q, kx, w, 6, vis=Visibility(causal=True, offset=38))
-        check(q, kx, w, 6, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 44]] * 3)), fill=-1.0)
-        with knobs(capacity=16, target=12, samples=16):  # sampled threshold, filtered appends
-            check(q, kx, w, 4, vis=Visibility(causal=True, offset=40))
-        for append in (0, 1, 3):  # 32 keys a tile: the first lies inside every row's range (no range test)
-            score_tile.TILE = dataclasses.replace(old, tma=tma, bt=16, bs=32, append=append)
-            check(q, kx, w, 6, vis=Visibility(causal=True, offset=38))
-    finally:
-        score_tile.TILE = old
+    path = Tuning(tile=tile(tma=tma))
+    assert bool(Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF, path.tile).descriptors) == tma
+    check(q, kx, w, 6, vis=Visibility(causal=True, offset=38), tuning=path)
+    check(q, kx, w, 6, vis=Visibility(starts=torch.tensor([[0, 5, 40, 41, 44]] * 3)), fill=-1.0, tuning=path)
+    sampled = Tuning(tile=path.tile, capacity=16, target=12, samples=16)  # sampled threshold, filtered appends
+    check(q, kx, w, 4, vis=Visibility(causal=True, offset=40), tuning=sampled)
+    for append in (0, 1, 3):  # 32 keys a tile: the first lies inside every row's range (no range test)
+        check(q, kx, w, 6, vis=Visibility(causal=True, offset=38),
+              tuning=Tuning(tile=tile(tma=tma, bt=16, bs=32, append=append)))
 
 
 @pytest.mark.parametrize("weights", [True, False])
@@ -309,7 +284,7 @@ def test_rescore_shape_rule():
     """Keys x heads per rescore MMA: all heads (padded to 16 / 32 / 64, then groups of 64), 128 keys for
     16-bit operands at D <= 128, 64 where a stage would pass 32 KB (never fewer: another MMA than
     select's), and 64 x 16 for fp32 scored in ieee fp32 (a CUDA-core dot)."""
-    shape = hytopk.rescore_shape
+    shape = rescore.rescore_shape
     assert [shape(H, 128, 2, "ieee")[1] for H in (1, 16, 17, 32, 33, 64, 65, 200)] == [16, 16, 32, 32, 64, 64, 64, 64]
     assert shape(64, 128, 2, "ieee") == (128, 64)
     assert shape(16, 64, 2, "upcast") == (128, 16)
@@ -331,18 +306,18 @@ def test_rescore_shape_rule():
 ])
 def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, H, D, over, dtype, weights):
     """The per-row rescore (one MMA over all heads, padded to 32 or 64, or a loop over groups of
-    heads) against the whole-tile one, at any indices. Random fp32 weights make every sum inexact,
-    so a head taken out of order changes the bits (with the exact eighths of ``inputs`` it would not)."""
+    heads) against whole filter tiles (tests/kernels/rescore_tile.py), at any indices. Random fp32
+    weights make every sum inexact, so a head taken out of order changes the bits (with the exact
+    eighths of ``inputs`` it would not)."""
     for name, value in over.items():
-        monkeypatch.setattr(hytopk, "RESCORE_" + name, value)
+        monkeypatch.setattr(rescore, "RESCORE_" + name, value)
     q, kx, _ = inputs(B=2, T=5, H=H, D=D, S=70, seed=17, dtype=dtype)
     w = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(2)) if weights else None
     mask = torch.rand(1, 5, 70, generator=torch.Generator().manual_seed(1)) > 0.3
     vis = Visibility(causal=True, offset=60, mask=mask)
     idx = torch.randint(0, 70, (2, 5, 100))
     fast = hytopk.rescore(q, kx, w, idx, 0.5, True, vis, -7.0)
-    with knobs(rescore_tile=True):
-        slow = hytopk.rescore(q, kx, w, idx, 0.5, True, vis, -7.0)
+    slow = rescore_by_tiles(q, kx, w, idx, 0.5, True, vis, -7.0)
     assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))
 
 
@@ -351,8 +326,7 @@ def test_recovery_exact(case):
     q, kx, w = inputs(B=2, T=2, S=120, seed=9)
     kw = dict(capacity=12, target=6, samples=32) if case == "overflow" else dict(capacity=64, target=1, samples=32)
     stats.reset()
-    with knobs(**kw):
-        check(q, kx, w, 10, vis=Visibility(causal=True, offset=110))
+    check(q, kx, w, 10, vis=Visibility(causal=True, offset=110), tuning=Tuning(**kw))
     s = stats.read()
     assert s.rows_recovered > 0 and s.fallbacks == 0
 
@@ -362,9 +336,9 @@ def test_recovery_ties_and_fill():
     q, kx, w = inputs(B=1, T=3, S=120, seed=10)
     equal_kx = kx[:, :1].expand(1, 120, 16)
     stats.reset()
-    with knobs(capacity=8, target=4, samples=16):
-        check(q, equal_kx, w, 12, vis=Visibility(causal=True, offset=100), fill=50.0)
-        check(q, kx, w, 12, vis=Visibility(starts=torch.tensor([[10, 60, 119]])), fill=NEG_INF)
+    tiny = Tuning(capacity=8, target=4, samples=16)
+    check(q, equal_kx, w, 12, vis=Visibility(causal=True, offset=100), fill=50.0, tuning=tiny)
+    check(q, kx, w, 12, vis=Visibility(starts=torch.tensor([[10, 60, 119]])), fill=NEG_INF, tuning=tiny)
     assert stats.read().rows_recovered > 0
 
 
@@ -373,11 +347,11 @@ def test_more_samples_than_a_row_buffer_holds():
     so they go to a buffer of their own (they once ran into the next row and past the buffer's end)."""
     q, kx, w = inputs(B=2, T=4, S=120, seed=13)
     vis = Visibility(causal=True, offset=116)
-    with knobs(capacity=6, target=3, samples=64):
-        pb = hytopk._Problem(q, kx, w, 0.5, True, vis, NEG_INF)
-        buf, samp, _ = hytopk.sample(pb, 5)
-        assert buf.shape[1] * 2 < 64 and samp.shape == (8, 64) and samp.data_ptr() != buf.data_ptr()
-        check(q, kx, w, 5, vis=vis)
+    tiny = Tuning(capacity=6, target=3, samples=64)
+    pb = Problem(q, kx, w, 0.5, True, vis, NEG_INF)
+    buf, samp, _ = sample.sample(pb, make_plan(pb, 5, tiny))
+    assert buf.shape[1] * 2 < 64 and samp.shape == (8, 64) and samp.data_ptr() != buf.data_ptr()
+    check(q, kx, w, 5, vis=vis, tuning=tiny)
 
 
 def _sample_keys_reference(values, lo, hi, M: int, bt: int):
@@ -414,9 +388,9 @@ def test_sample_keys_match_reference(case, capacity, split):
         starts = torch.randint(0, 300, (B, T), generator=g)
         ends = starts + torch.randint(0, 400, (B, T), generator=g)
         vis = Visibility(starts=starts, ends=ends, mask=torch.rand(B, T, S, generator=g) < 0.8)
-    with knobs(capacity=capacity, target=8, samples=M, sample_split=split):
-        pb = hytopk._Problem(q, kx, w, 0.5, True, vis, -3.0)
-        _, samp, msamp = hytopk.sample(pb, 5)
+    pb = Problem(q, kx, w, 0.5, True, vis, -3.0)
+    _, samp, msamp = sample.sample(pb, make_plan(pb, 5, Tuning(capacity=capacity, target=8, samples=M,
+                                                               sample_split=split)))
     values = reference.value_rows(q, kx, w, 0.5, True, vis, -3.0, 0, T)
     want = _sample_keys_reference(values, pb.lo, pb.hi, M, pb.tile.bt).view(B * T, M)
     assert torch.equal(samp[:, :M], want)
@@ -439,25 +413,25 @@ def test_threshold_is_the_ranked_sample():
     ones: all equal, ties at the rank, keys sharing their top bytes, the int32 extremes, negatives."""
     T, S, M, target, C = 64, 1000, 300, 40, 16
     q, kx, w = inputs(B=1, T=T, S=S, seed=21)
-    with knobs(capacity=C, target=target, samples=M):
-        pb = hytopk._Problem(q, kx, w, 0.5, True, Visibility(causal=True, offset=S - T - 500), NEG_INF)
-        buf, samp, msamp = hytopk.sample(pb, 5)
-        g = torch.Generator().manual_seed(22)
-        lo32, hi32 = -(2**31), 2**31 - 1
-        patterns = [
-            torch.full((M,), 7),
-            torch.randint(0, 3, (M,), generator=g) * 1000,  # heavy ties wherever the rank falls
-            0x12345600 + torch.randint(0, 256, (M,), generator=g),  # only the low byte differs
-            torch.randint(lo32 + 1, hi32, (M,), generator=g, dtype=torch.int64),
-            torch.tensor([hi32, lo32 + 1] * (M // 2)),
-            -torch.randint(1, 50, (M,), generator=g),
-        ]
-        for i, pat in enumerate(patterns):  # rows 48.. keep their real samples
-            samp[8 * i:8 * i + 8, :M] = pat.to(torch.int32)
-            samp[8 * i + 1, M // 2:] = lo32  # some rows with fewer valid samples
-        msamp = (samp[:, :M] != lo32).sum(1).to(torch.int32)
-        keys = samp[:, :M].clone()
-        thr = hytopk.threshold(pb, 5, buf, samp, msamp)
+    pb = Problem(q, kx, w, 0.5, True, Visibility(causal=True, offset=S - T - 500), NEG_INF)
+    pl = make_plan(pb, 5, Tuning(capacity=C, target=target, samples=M))
+    buf, samp, msamp = sample.sample(pb, pl)
+    g = torch.Generator().manual_seed(22)
+    lo32, hi32 = -(2**31), 2**31 - 1
+    patterns = [
+        torch.full((M,), 7),
+        torch.randint(0, 3, (M,), generator=g) * 1000,  # heavy ties wherever the rank falls
+        0x12345600 + torch.randint(0, 256, (M,), generator=g),  # only the low byte differs
+        torch.randint(lo32 + 1, hi32, (M,), generator=g, dtype=torch.int64),
+        torch.tensor([hi32, lo32 + 1] * (M // 2)),
+        -torch.randint(1, 50, (M,), generator=g),
+    ]
+    for i, pat in enumerate(patterns):  # rows 48.. keep their real samples
+        samp[8 * i:8 * i + 8, :M] = pat.to(torch.int32)
+        samp[8 * i + 1, M // 2:] = lo32  # some rows with fewer valid samples
+    msamp = (samp[:, :M] != lo32).sum(1).to(torch.int32)
+    keys = samp[:, :M].clone()
+    thr = sample.threshold(pb, pl, buf, samp, msamp)
     want = _threshold_reference(keys, msamp, pb.lo.view(-1), pb.hi.view(-1), target, C, M)
     assert (want != -(2**31)).sum() >= 60  # the rank rule applies to (almost) every row
     assert torch.equal(thr, want)
@@ -466,8 +440,7 @@ def test_threshold_is_the_ranked_sample():
 def test_past_64_rows_fallback_exact():
     q, kx, w = inputs(B=1, T=70, H=1, S=100, seed=11)
     stats.reset()
-    with knobs(capacity=4, target=2, samples=16):
-        check(q, kx, w, 6, vis=Visibility(causal=True, offset=30))
+    check(q, kx, w, 6, vis=Visibility(causal=True, offset=30), tuning=Tuning(capacity=4, target=2, samples=16))
     s = stats.read()
     assert s.rows_recovered > 64 and s.fallbacks == 1
 
@@ -495,21 +468,48 @@ def test_op_dispatch_and_repeatability():
     q, kx, w = inputs(B=1, T=4, S=32, seed=14)
     with dispatch.force_backend("triton"):
         a = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, True)
-        b = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, False)
+        b = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, True)
     rv, ri = reference.select(q, kx, w, 5, 0.5, True, Visibility(causal=True, offset=28), NEG_INF)
     assert same(a[0], rv) and torch.equal(a[1], ri)
     assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)) and torch.equal(a[1], b[1])
 
 
+def _by_position(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (value, position) pairs in position order: a selection compared as a set."""
+    indices, order = indices.sort(dim=-1)
+    return values.gather(-1, order), indices
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_unsorted_select_end_to_end(backend):
+    """sorted=False through the operator, on both backends: each row's entries are the sorted selection's,
+    with the same bits; the kernels give the order of their candidate slots (the final select kernel
+    runs under the interpreter for it), the reference ascending positions; and neither is the sorted
+    order, so a caller that relies on it is caught on the CPU too."""
+    q, kx, w = inputs(B=1, T=4, S=48, seed=41)
+    args = (q, kx, w, 6, 0.5, True, True, 44, None, None, None, None, None, NEG_INF)
+    with dispatch.force_backend(backend):
+        sv, si = torch.ops.hyscale.select(*args, True)
+        uv, ui = torch.ops.hyscale.select(*args, False)
+    rv, ri = reference.select(q, kx, w, 6, 0.5, True, Visibility(causal=True, offset=44), NEG_INF)
+    assert same(sv, rv) and torch.equal(si, ri)
+    pv, pi = _by_position(uv, ui)
+    want_v, want_i = _by_position(rv, ri)
+    assert torch.equal(pi, want_i) and torch.equal(pv.view(torch.int32), want_v.view(torch.int32))
+    assert not torch.equal(ui, si), "the unsorted selection came back sorted"
+    if backend == "reference":
+        assert torch.equal(ui, want_i)  # ascending positions
+
+
 def test_fill_bits_and_keys_tell_signed_zeros_apart():
     """The cached fill conversions: -0.0 == 0.0 as Python floats, but a fill of -0.0 must come back
     as -0.0 bits (masked picks carry the model's fill exactly), whichever was asked first."""
-    assert hytopk.fill_bits(0.0) == 0
-    assert hytopk.fill_bits(-0.0) == -(2**31)
-    assert hytopk.fill_bits(0.0) == 0
-    assert hytopk.fill_key(-0.0) == hytopk.fill_key(0.0)  # the order ranks them equal, like torch.topk
+    assert problem.fill_bits(0.0) == 0
+    assert problem.fill_bits(-0.0) == -(2**31)
+    assert problem.fill_bits(0.0) == 0
+    assert problem.fill_key(-0.0) == problem.fill_key(0.0)  # the order ranks them equal, like torch.topk
     nan = float("nan")
-    assert hytopk.fill_bits(nan) == hytopk.fill_bits(float("nan"))
+    assert problem.fill_bits(nan) == problem.fill_bits(float("nan"))
 
 
 @pytest.mark.parametrize("case", ["causal_offsets", "partial_extras"])
@@ -525,9 +525,8 @@ def test_check_tails_meet_the_final_select_kernel(case):
     vis = {"causal_offsets": Visibility(causal=True, offset=10, offsets=torch.tensor([0, 30])),
            "partial_extras": Visibility(causal=True, offset=44)}[case]
     rv, ri = reference.select(q, kx, w, k, 0.5, relu, vis, fill)
-    with knobs(**kn):
-        pb = hytopk._Problem(q, kx, w, 0.5, relu, vis, fill)
-        buf, used = hytopk.candidates(pb, k)
+    pb = Problem(q, kx, w, 0.5, relu, vis, fill)
+    buf, used = hytopk.candidates(pb, make_plan(pb, k, Tuning(**kn)))
     tail, extras = used[2], (pb.S - (pb.hi - pb.lo)).clamp(max=k).reshape(-1)
     if case == "causal_offsets":  # rows that hold extras yet skip them, and rows that read all k
         assert bool(((tail == 0) & (extras > 0)).any()) and bool((tail == k).any())

@@ -5,15 +5,15 @@ Three tables, each measured in one run on the device, every variant's bits check
 - ``paths``: scoring floor, filter and whole select per benchmark shape, with ``TileConfig.tma`` on and
   off (the select's values and indices must be bitwise equal);
 - ``filter``: the filter alone on the descriptor path, per append (2: per entry, 3: slots reserved per
-  thread), pipeline stages and register cap (``hytopk.filter_launch`` picks from these); each variant's
+  thread), pipeline stages and register cap (``plan.filter_options`` picks from these); each variant's
   appended entries, sorted per row, must equal the first variant's;
 - ``append``: the filter alone with either append at 168 registers, at shares of passing keys from
-  0.7% to 5.5% and 16 to 64 heads (the evidence for ``hytopk.append_kind``'s rule);
-- ``sort``: ``final_select.sort_decode_kernel`` at 1..16 warps on composites with many tied values,
+  0.7% to 5.5% and 16 to 64 heads (the evidence for ``plan.append_kind``'s rule);
+- ``sort``: ``final_sort.sort_decode_kernel`` at 1..16 warps on composites with many tied values,
   against ``torch.sort``.
 
-    python benchmarks/tune_descriptors.py [--parts paths,filter,append,sort] [--out results/tune_descriptors.json]
-    TRITON_INTERPRET=1 python benchmarks/tune_descriptors.py --smoke    # tiny shapes on the CPU, prints only
+    python benchmarks/tuning/tune_descriptors.py [--parts paths,filter,append,sort] [--out FILE.json]
+    TRITON_INTERPRET=1 python benchmarks/tuning/tune_descriptors.py --smoke    # tiny shapes on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hyscale_compile.runtime import final_select, hytopk, score_tile  # noqa: E402
-from hyscale_compile.runtime.filter_kernels import MODE_FLOOR  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from hyscale_compile.runtime import final_sort, hytopk, score_tile  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-import selection  # noqa: E402  (block_launch: the selection benchmark's own floor launch)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import floor  # noqa: E402  (the selection benchmark's floor)
 import training  # noqa: E402  (write_results)
 
 SHAPES = [(4096, 131072, 16, 2048), (4096, 131072, 64, 2048), (2048, 524288, 16, 2048),
@@ -44,7 +43,7 @@ FILTER_VARIANTS = {  # name: TileConfig changes (tma stays on)
     "a3_s2": dict(append=3), "a2_s2": dict(append=2), "a3_s3": dict(append=3, stages=3),
     "a2_s3": dict(append=2, stages=3), "a3_r168": dict(append=3, maxnreg=168), "a2_r168": dict(append=2, maxnreg=168),
 }
-# the append rule (hytopk.append_kind): shares of passing keys from 0.7% to 5.5%, at 16 to 64 heads
+# the append rule (plan.append_kind): shares of passing keys from 0.7% to 5.5%, at 16 to 64 heads
 APPEND_SHAPES = [(2048, 524288, 16, 2048), (2048, 524288, 64, 2048), (4096, 262144, 16, 512),
                  (4096, 262144, 32, 512), (4096, 262144, 64, 512), (2048, 524288, 16, 1024),
                  (4096, 262144, 64, 1024), (1024, 1048576, 16, 2048), (1024, 1048576, 64, 2048),
@@ -54,19 +53,18 @@ SORT_SHAPES = [(4096, 2048), (8192, 2048), (2048, 2048), (4096, 512)]  # rows, k
 SORT_WARPS = (1, 2, 4, 8, 16)
 
 
-def bench(smoke: bool, fn, *args) -> float:
-    """Median ms of fn(*args) (arguments bound now, not looked up when the timing loop runs)."""
+def bench(smoke: bool, fn, *args, **kwargs) -> float:
+    """Median ms of fn(*args, **kwargs) (arguments bound now, not looked up when the timing loop runs)."""
     if smoke:
-        fn(*args)
+        fn(*args, **kwargs)
         return float("nan")
-    return round(triton.testing.do_bench(lambda: fn(*args), warmup=5, rep=40, return_mode="median"), 4)
+    return round(triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=5, rep=40, return_mode="median"), 4)
 
 
-def floor_ms(pb: hytopk._Problem, smoke: bool) -> float:
+def floor_ms(pb: hytopk.Problem, plan: hytopk.Plan, smoke: bool) -> float:
     """The scoring floor at the filter's split, as the selection benchmark launches it."""
-    split = hytopk.filter_split(pb)
-    sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device=pb.device)
-    return bench(smoke, selection.block_launch, pb, MODE_FLOOR, sink, split)
+    sink = floor.sink(pb, plan.filter_split)
+    return bench(smoke, floor.floor, pb, sink, plan.filter_split)
 
 
 def operands(T: int, S: int, H: int, smoke: bool):
@@ -86,21 +84,19 @@ def tile(**changes) -> score_tile.TileConfig:
 def paths(shape: tuple[int, int, int, int], smoke: bool) -> dict:
     T, S, H, k = shape
     q, kx, w, scale, vis = operands(T, S, H, smoke)
-    row, picks, base = dict(T=T, S=S, H=H, k=k), {}, score_tile.TILE
-    try:
-        for tma in (True, False):
-            score_tile.TILE = tile(tma=tma)
-            tag = "tma" if tma else "ptr"
-            pb = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
-            row[f"{tag}_active"] = bool(pb.block_extra)
-            row[f"{tag}_floor_ms"] = floor_ms(pb, smoke)
-            buf, thr = hytopk.sample_threshold(pb, k)
-            cap = hytopk.sizes(k, S)[1]
-            row[f"{tag}_filter_ms"] = bench(smoke, hytopk.filter_rows, pb, thr, buf, cap)
-            picks[tma] = hytopk.select(q, kx, w, k, scale, True, vis, float("-inf"))
-            row[f"{tag}_select_ms"] = bench(smoke, hytopk.select, q, kx, w, k, scale, True, vis, float("-inf"))
-    finally:
-        score_tile.TILE = base
+    row, picks = dict(T=T, S=S, H=H, k=k), {}
+    for tma in (True, False):
+        tuning = hytopk.Tuning(tile=tile(tma=tma))
+        tag = "tma" if tma else "ptr"
+        pb = hytopk.Problem(q, kx, w, scale, True, vis, float("-inf"), tuning.tile)
+        plan = hytopk.make_plan(pb, k, tuning)
+        row[f"{tag}_active"] = bool(pb.descriptors)
+        row[f"{tag}_floor_ms"] = floor_ms(pb, plan, smoke)
+        buf, thr = hytopk.sample_threshold(pb, plan)
+        row[f"{tag}_filter_ms"] = bench(smoke, hytopk.filter_rows, pb, plan, thr, buf)
+        picks[tma] = hytopk.select(q, kx, w, k, scale, True, vis, float("-inf"), tuning=tuning)
+        row[f"{tag}_select_ms"] = bench(smoke, hytopk.select, q, kx, w, k, scale, True, vis, float("-inf"),
+                                        tuning=tuning)
     (v, i), (pv, pi) = picks[True], picks[False]
     row["same"] = bool(torch.equal(i, pi) and torch.equal(v.view(torch.int32), pv.view(torch.int32)))
     return row
@@ -118,22 +114,22 @@ def appended(buf: torch.Tensor, cnt: torch.Tensor, cap: int) -> torch.Tensor:
 def filters(shape: tuple[int, int, int, int], smoke: bool, variants=tuple(FILTER_VARIANTS)) -> dict:
     T, S, H, k = shape
     q, kx, w, scale, vis = operands(T, S, H, smoke)
-    pb = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
-    row = dict(T=T, S=S, H=H, k=k, floor_ms=floor_ms(pb, smoke))
-    buf, thr = hytopk.sample_threshold(pb, k)
-    cap = hytopk.sizes(k, S)[1]
-    row["default_append"] = hytopk.append_kind(pb, cap)[0]
-    row["default_options"] = hytopk.filter_launch(pb, *hytopk.append_kind(pb, cap))
+    pb = hytopk.Problem(q, kx, w, scale, True, vis, float("-inf"))
+    plan = hytopk.make_plan(pb, k)
+    row = dict(T=T, S=S, H=H, k=k, floor_ms=floor_ms(pb, plan, smoke))
+    buf, thr = hytopk.sample_threshold(pb, plan)
+    cap = plan.capacity
+    row["default_append"] = plan.append
+    row["default_options"] = plan.filter_options
     first = None
     for name in variants:
-        changes = FILTER_VARIANTS[name]
-        pv = hytopk._Problem(q, kx, w, scale, True, vis, float("-inf"))
-        pv.tile = tile(**changes)
+        pv = hytopk.Problem(q, kx, w, scale, True, vis, float("-inf"), tile(**FILTER_VARIANTS[name]))
+        pl = hytopk.make_plan(pv, k)
         mine = buf.clone()
-        got = appended(mine, hytopk.filter_rows(pv, thr, mine, cap), cap)
+        got = appended(mine, hytopk.filter_rows(pv, pl, thr, mine), cap)
         first = got if first is None else first
         row[f"{name}_same"] = bool(torch.equal(got, first))
-        row[f"{name}_ms"] = bench(smoke, hytopk.filter_rows, pv, thr, mine, cap)
+        row[f"{name}_ms"] = bench(smoke, hytopk.filter_rows, pv, pl, thr, mine)
     return row
 
 
@@ -144,9 +140,9 @@ def sorts(shape: tuple[int, int], smoke: bool) -> dict:
     key = torch.randint(-2**20, 2**20, (R, k), device=device, dtype=torch.int64)  # many tied values
     pos = torch.randint(0, 2**31 - 1, (R, k), device=device)
     comp = (key << 32) | ((~pos.to(torch.int32)).to(torch.int64) & 0xFFFFFFFF)
-    want_v, want_i = final_select.decode(torch.sort(comp, dim=1, descending=True).values)
-    kp = final_select.sort_width(k)
-    row = dict(R=R, k=k, default_warps=final_select.sort_warps(kp))
+    want_v, want_i = final_sort.decode(torch.sort(comp, dim=1, descending=True).values)
+    kp = final_sort.sort_width(k)
+    row = dict(R=R, k=k, default_warps=final_sort.sort_warps(kp))
     for warps in SORT_WARPS:
         idx, val = comp.clone(), torch.empty(R, k, device=device)
         sort_once(comp, idx, val, kp, warps)
@@ -160,7 +156,7 @@ def sorts(shape: tuple[int, int], smoke: bool) -> dict:
 def sort_once(comp: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, kp: int, warps: int) -> None:
     """The composites copied into the positions' memory, then sorted and decoded there (as select does)."""
     idx.copy_(comp)
-    final_select.sort_decode_kernel[(idx.shape[0],)](idx, val, idx.shape[1], KP=kp, num_warps=warps)
+    final_sort.sort_decode_kernel[(idx.shape[0],)](idx, val, idx.shape[1], KP=kp, num_warps=warps)
 
 
 def main() -> None:

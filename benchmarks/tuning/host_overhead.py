@@ -7,7 +7,8 @@ rescore, sparse backward: Python, allocations and kernel launches), and any host
 in the step (``torch.cuda.set_sync_debug_mode``). A step whose enqueue time is close to its wall
 time and above its kernel time is host-bound: faster kernels will not make it faster.
 
-    python benchmarks/host_overhead.py [--shape 0] [--out results/host_overhead.json] [--cprofile FILE]
+    python benchmarks/tuning/host_overhead.py [--shape 0] [--out results/host_overhead.json] [--cprofile FILE]
+    python benchmarks/tuning/host_overhead.py --smoke    # a tiny step on the CPU (wall and enqueue only), prints only
 
 --cprofile writes the Python functions that take the host's time in those steps (cProfile, by own
 time and by cumulative time), to see which calls inside an entry cost it.
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 import training  # noqa: E402  (the layer, inputs and shapes of the training benchmark)
 
 from hyscale_compile.runtime import hytopk  # noqa: E402
@@ -36,7 +37,8 @@ from hyscale_compile.runtime import sparse_backward as sb  # noqa: E402
 
 
 def timed_entries() -> tuple[dict, callable]:
-    """Wrap the runtime entries the ops call with host timers; returns the totals and an undo."""
+    """Wrap the runtime entries the ops call (on CUDA: dispatch hands out these modules) with host timers;
+    returns the totals and an undo."""
     totals: dict[str, float] = {}
     patched = [(hytopk, "select"), (hytopk, "rescore"), (sb, "sparse_backward")]
     originals = [(mod, name, getattr(mod, name)) for mod, name in patched]
@@ -83,37 +85,44 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--cprofile", default=None, help="write a cProfile table of the steps' host time here")
+    ap.add_argument("--smoke", action="store_true", help="a tiny step, any device, nothing written")
     args = ap.parse_args()
     T, S, H = training.SHAPES[args.shape]
-    D, k = 128, 2048
-    inputs = training.make_inputs(T, S, H, D, k, "cuda", torch.bfloat16)
+    D, k, device, dtype = 128, 2048, "cuda", torch.bfloat16
+    if args.smoke:
+        (T, S, H), D, k, args.iters = (32, 128, 2), 16, 8, 2
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    inputs = training.make_inputs(T, S, H, D, k, device, dtype)
     fn = training.make_fn("hyscale", k)
     for _ in range(3):
         fn(*inputs).backward()
-    torch.cuda.synchronize()
+    sync()
 
     row = dict(T=T, S=S, H=H, D=D, k=k)
     t0 = time.perf_counter()
     for _ in range(args.iters):
         fn(*inputs).backward()
-    torch.cuda.synchronize()
+    sync()
     row["wall_ms"] = (time.perf_counter() - t0) * 1e3 / args.iters
 
     enqueue = []
     for _ in range(args.iters):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn(*inputs).backward()
         enqueue.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
+    sync()
     row["enqueue_ms"] = sorted(enqueue)[len(enqueue) // 2]
-    row["kernel_ms"] = sum(us for _, us in training.device_records(lambda: fn(*inputs).backward())) / 1e3
+    if device == "cuda":
+        row["kernel_ms"] = sum(us for _, us in training.device_records(lambda: fn(*inputs).backward())) / 1e3
 
     totals, undo = timed_entries()
     try:
         for _ in range(args.iters):
             fn(*inputs).backward()
-        torch.cuda.synchronize()
+        sync()
     finally:
         undo()
     row["host_ms_in"] = {name: v / args.iters for name, v in totals.items()}
@@ -121,6 +130,9 @@ def main() -> None:
     if args.cprofile:
         write_profile(args.cprofile, fn, inputs, args.iters)
 
+    if device != "cuda":  # the sync check needs a device
+        print(json.dumps({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
+        return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -128,7 +140,7 @@ def main() -> None:
             fn(*inputs).backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
+        sync()
     syncs = [str(w.message).splitlines()[0][:160] for w in caught
              if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)]
     row["syncs"] = len(syncs)

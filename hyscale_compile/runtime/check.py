@@ -16,6 +16,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import stats
+from .plan import Plan
+from .problem import Problem, fill_key
+
 
 @triton.jit
 def check_kernel(cnt_ptr, thr_ptr, lo_ptr, hi_ptr, used_ptr, tail_ptr, rows_ptr, nflag_ptr, stats_ptr,
@@ -71,13 +75,16 @@ def check_warps(block: int) -> int:
     return 4 if block <= 1024 else 8
 
 
-def check_reference(cnt: Tensor, thr: Tensor, lo: Tensor, hi: Tensor, S: int, k: int, cap: int,
-                    fill_key: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
-    """Plain torch twin of check_kernel, the formulas of the torch ops it replaced: (used, tail, flagged rows
-    in row order, nflag, kept candidates)."""
-    ext = torch.where(thr.long() <= fill_key, (S - (hi - lo)).clamp(max=k), torch.zeros_like(lo))
-    flag = (cnt > cap) | (cnt.long() + ext < k)
-    used = torch.where(flag, min(k, cap), cnt.clamp(max=cap)).to(torch.int32)
-    tail = torch.where(flag, k, ext).to(torch.int32)
-    rows = torch.nonzero(flag).flatten()
-    return used, tail, rows, int(flag.sum()), int(cnt.clamp(max=cap).sum())
+def check(pb: Problem, plan: Plan, cnt: Tensor, thr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Flag the rows whose buffers may not hold their top k, list them, count them (on the device):
+    (int32 [R] used slots, int32 [R] tail, int64 [R + 1] flagged rows in row order, int32 [1] how many)."""
+    R = pb.rows
+    used = torch.empty(R, dtype=torch.int32, device=pb.device)
+    tail = torch.empty(R, dtype=torch.int32, device=pb.device)
+    rows = torch.empty(R + 1, dtype=torch.int64, device=pb.device)
+    nflag = torch.empty(1, dtype=torch.int32, device=pb.device)
+    block = check_block(R)
+    check_kernel[(1,)](cnt, thr, pb.lo, pb.hi, used, tail, rows, nflag, stats.counters(pb.device), R, pb.S, plan.k,
+                       plan.capacity, fill_key(pb.fill), stats.FALLBACK_ROWS, BLOCK=block,
+                       num_warps=check_warps(block))
+    return used, tail, rows, nflag

@@ -1,7 +1,8 @@
 """The scoring floor written for Triton's warp specialization, against our floor, in one run.
 
-Our floor (``block_kernel`` MODE_FLOOR) waits for each head's MMA before that head's epilogue (a max
-and an FMA per element): on the H200 it keeps the tensor pipe ~66% busy (NOTES-selection.md, v8).
+Our floor (``benchmarks/floor.py``, the filter's arithmetic alone) waits for each head's MMA before
+that head's epilogue (a max and an FMA per element): on the H200 it keeps the tensor pipe ~66% busy
+(NOTES-selection.md, v8).
 Triton 3.6 can split a loop into a producer warpgroup (TMA loads) and two consumer warpgroups, the
 structure that lets one consumer's epilogue run under the other's MMA. Its Hopper pass needs tensor
 descriptors (on our pointer-load floor it asserts), so this program times a floor written with
@@ -17,8 +18,8 @@ weights by pointer ran 0.875x / 0.852x our pointer floor at H = 16 / 64 (with th
 1.005x / 0.998x: a synchronous copy per head). The block kernel now reads q and kx that way
 (``score_tile.tma_views``).
 
-    python benchmarks/tune_floor_ws.py [--out results/tune_floor_ws.json] [--timeout 120]
-    TRITON_INTERPRET=1 python benchmarks/tune_floor_ws.py --smoke    # tiny shapes on the CPU, prints only
+    python benchmarks/tuning/tune_floor_ws.py [--out results/tune_floor_ws.json] [--timeout 120]
+    TRITON_INTERPRET=1 python benchmarks/tuning/tune_floor_ws.py --smoke    # tiny shapes on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from hyscale_compile.runtime import hytopk, score_tile  # noqa: E402
-from hyscale_compile.runtime.filter_kernels import MODE_FLOOR  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-import selection  # noqa: E402  (block_launch: the selection benchmark's own floor launch)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import floor  # noqa: E402  (the selection benchmark's floor)
 import training  # noqa: E402  (write_results: the results file every benchmark here writes)
 
 SHAPES = [(4096, 131072, 16), (4096, 131072, 64)]  # T, S, H; D = 128, bf16, every key visible
@@ -132,16 +132,16 @@ def run_one(name: str, shape: tuple[int, int, int], smoke: bool, sums_path: str)
 
 
 def ours(shape: tuple[int, int, int], smoke: bool) -> dict:
-    """Our floor at the same shape, every key visible (block_kernel MODE_FLOOR, the default tile)."""
+    """Our floor at the same shape, every key visible (benchmarks/floor.py, the default tile)."""
     T, S, H = shape
     D = 32 if smoke else 128
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, kx, w = inputs(T, S, H, D, device)
-    pb = hytopk._Problem(q, kx, w, D**-0.5, True, Visibility(), float("-inf"))
-    split = hytopk.filter_split(pb)
-    sink = torch.empty(pb.n_tblk * split * pb.tile.bt, device=device)
-    selection.block_launch(pb, MODE_FLOOR, sink, split)
-    ms = bench(lambda: selection.block_launch(pb, MODE_FLOOR, sink, split), smoke)
+    pb = hytopk.Problem(q, kx, w, D**-0.5, True, Visibility(), float("-inf"))
+    split = hytopk.make_plan(pb, 2048).filter_split
+    sink = floor.sink(pb, split)
+    floor.floor(pb, sink, split)
+    ms = bench(lambda: floor.floor(pb, sink, split), smoke)
     return dict(ours_ms=ms, tile=[score_tile.TILE.bt, score_tile.TILE.bs, score_tile.TILE.warps])
 
 

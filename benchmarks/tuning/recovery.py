@@ -7,30 +7,29 @@ at the end of the context): ``none`` (random queries), ``light`` (32 zero rows: 
 recovery), ``heavy`` (every row zero: the fallback). Each case runs the recovery three ways: in one
 cooperative launch (the default on CUDA: grid barriers between passes, ``RECOVER_PROGRAMS_PER_SM``
 programs per SM), in one plain launch on half the SMs (``RECOVER_COOPERATIVE = False``), and one
-launch per pass (``RECOVER_ONE_LAUNCH = False``); it reports median ms, the rows recovered (runtime
-stats) and whether all three gave the same bits, and any cooperative grid the driver refused (then
-the "cooperative" column timed the next grid tried). The smoke run shrinks the candidate buffer so
-that its tiny rows overflow and are recovered.
+launch per pass (``RECOVER_ONE_LAUNCH = False``), all three in ``runtime/launch_policy.py``; it
+reports median ms, the rows recovered (runtime stats) and whether all three gave the same bits, and
+any cooperative grid the driver refused (then the "cooperative" column timed the next grid tried).
+The smoke run shrinks the candidate buffer so that its tiny rows overflow and are recovered.
 
-    python benchmarks/recovery.py [--T 2048 --S 65536 --H 16 --k 2048] [--out results/recovery.json]
-    TRITON_INTERPRET=1 python benchmarks/recovery.py --smoke     # tiny, on the CPU, prints only
+    python benchmarks/tuning/recovery.py [--T 2048 --S 65536 --H 16 --k 2048] [--out results/recovery.json]
+    TRITON_INTERPRET=1 python benchmarks/tuning/recovery.py --smoke     # tiny, on the CPU, prints only
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hyscale_compile.runtime import hytopk, stats  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from hyscale_compile.runtime import hytopk, launch_policy, stats  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import training  # noqa: E402  (write_results)
 
 
@@ -45,22 +44,22 @@ def bench(fn, device: str) -> float:
 MODES = {"cooperative": (True, True), "half_sms": (True, False), "per_pass": (False, False)}
 
 
-def measure(cases: dict, kx, w, vis, k: int, D: int, device: str) -> list[dict]:
+def measure(cases: dict, kx, w, vis, k: int, D: int, device: str, tuning: hytopk.Tuning) -> list[dict]:
     """One row per case: each mode's ms and rows recovered, same bits across modes, refused grids."""
     _, T, H, _ = next(iter(cases.values())).shape
     S = kx.shape[1]
     rows = []
-    hytopk._one_launch_failed.clear()
-    old = hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE
+    launch_policy._one_launch_failed.clear()
+    old = launch_policy.RECOVER_ONE_LAUNCH, launch_policy.RECOVER_COOPERATIVE
     try:
         for name, qc in cases.items():
             row = dict(T=T, S=S, H=H, D=D, k=k, case=name)
             outs = {}
             for mode, (one_launch, cooperative) in MODES.items():
-                hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE = one_launch, cooperative
+                launch_policy.RECOVER_ONE_LAUNCH, launch_policy.RECOVER_COOPERATIVE = one_launch, cooperative
 
                 def run(qc=qc):
-                    return hytopk.select(qc, kx, w, k, D**-0.5, True, vis, float("-inf"))
+                    return hytopk.select(qc, kx, w, k, D**-0.5, True, vis, float("-inf"), tuning=tuning)
 
                 stats.reset()
                 outs[mode] = run()
@@ -68,11 +67,11 @@ def measure(cases: dict, kx, w, vis, k: int, D: int, device: str) -> list[dict]:
                 row[f"{mode}_ms"] = bench(run, device)
             first = outs["cooperative"]
             row["same_bits"] = all(torch.equal(a, b) for out in outs.values() for a, b in zip(out, first))
-            row["cooperative_refused"] = sorted(g for _, g, _ in hytopk._one_launch_failed)
+            row["cooperative_refused"] = sorted(g for _, g, _ in launch_policy._one_launch_failed)
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        hytopk.RECOVER_ONE_LAUNCH, hytopk.RECOVER_COOPERATIVE = old
+        launch_policy.RECOVER_ONE_LAUNCH, launch_policy.RECOVER_COOPERATIVE = old
     return rows
 
 
@@ -102,8 +101,7 @@ def main() -> None:
     if args.smoke:  # the interpreter is slow, and its rows all overflow the tiny buffer anyway
         cases = {"none": q}
     # the smoke run's rows are short: a tiny buffer makes them overflow, so the recovery runs
-    with hytopk.override(capacity=24) if args.smoke else contextlib.nullcontext():
-        rows = measure(cases, kx, w, vis, k, D, device)
+    rows = measure(cases, kx, w, vis, k, D, device, hytopk.Tuning(capacity=24) if args.smoke else hytopk.Tuning())
     if not args.smoke and device == "cuda":
         training.write_results(args.out, device, rows)
 

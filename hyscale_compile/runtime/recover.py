@@ -14,13 +14,20 @@ device-side flagged count return at once, so nothing here needs the host to know
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
+from . import launch_policy
+from .env import interpreting
+from .plan import Plan
+from .problem import Problem, cdiv, fill_bits, fill_key
 from .score_tile import composite, order_key, raw_entry, score_tile, tile_values
 
 PASSES = 16  # 64-bit composite, 4 bits per pass
-DIGITS = 16
 
 
 @triton.jit
@@ -173,3 +180,30 @@ def _recover_pass(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, nflag_ptr, rows_ptr, cnt
                 d16 = tl.arange(0, 16)
                 tl.atomic_add(cnt_ptr + (p * R + ranks)[:, None] * 16 + d16[None, :], cnt_acc,
                               mask=active[:, None] & (cnt_acc > 0))
+
+
+def recover(pb: Problem, plan: Plan, nflag: Tensor, rows: Tensor, buf: Tensor) -> None:
+    """Rewrite the buffers of the nflag (device count) flagged rows listed in rows with their exact top k,
+    for any number of flagged rows: in one launch on CUDA where the device holds its grid
+    (``launch_policy``), else one launch per pass."""
+    R, k, width = pb.rows, plan.k, buf.shape[1]
+    dev = pb.device
+    counts = torch.zeros(PASSES, R, 16, dtype=torch.int32, device=dev)
+    ecnt = torch.zeros(R + 1, dtype=torch.int32, device=dev)  # the last one: the grid barrier's counter
+    split = max(1, min(cdiv(pb.S, pb.tile.bs), plan.programs // 2))
+    items = cdiv(R, pb.tile.bt) * split
+    fk, fb = fill_key(pb.fill), fill_bits(pb.fill)
+
+    def launch(grid: int, p: int, all_passes: bool, **extra) -> None:
+        pb.launch(recover_kernel, (grid,), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, nflag, rows, counts, ecnt, buf,
+                  pb.mask, pb.bias, ecnt[R:], pb.B, pb.T, pb.S, pb.H, k, pb.scale, pb.fill, fk, fb, width, R, p,
+                  grid, split, cdiv(items, grid), EMIT=p == PASSES, ALL_PASSES=all_passes, NPASS=PASSES, **extra)
+
+    if launch_policy.RECOVER_ONE_LAUNCH and dev.type == "cuda" and not interpreting():
+        variant = (dev, tuple(sorted(pb.consts.items())), dataclasses.astuple(pb.tile))
+        grids = launch_policy.one_launch_grids(dev)
+        if launch_policy.launch_once(launch, variant, grids, items, torch.cuda.is_current_stream_capturing()):
+            return
+    nprog = max(1, min(items, plan.programs))
+    for p in range(PASSES + 1):
+        launch(nprog, p, False)

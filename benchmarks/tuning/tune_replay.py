@@ -1,7 +1,7 @@
 """Variants of the two kernels a replayed backward runs, timed in one run: ``rescore`` and the sparse
 backward (dq, dw, dkx through the k picks only).
 
-This is the measurement behind the defaults ``hytopk.RESCORE_*`` and ``sparse_backward.ROW_*`` /
+This is the measurement behind the defaults ``rescore.RESCORE_*`` and ``sparse_backward.ROW_*`` /
 ``PROGRAMS_PER_SM``. For each variant: the median time of a call (triton's do_bench: host gaps
 included when the host is slower than the kernels), the kernels' own time per call (profiler device
 records, ``device_ms``) and a check: rescore must equal select's values bit for bit; a sparse
@@ -13,8 +13,8 @@ backward with float atomics for dkx (the rule: deterministic by default unless i
 1.3x the atomic one). Shapes are the training benchmark's (k=2048, D=128, bf16, causal, queries
 at the end of the context).
 
-    python benchmarks/tune_replay.py [--shapes 0,1,2] [--defaults-only] [--out results/tune_replay.json]
-    TRITON_INTERPRET=1 python benchmarks/tune_replay.py --smoke    # tiny shapes on the CPU, prints only
+    python benchmarks/tuning/tune_replay.py [--shapes 0,1,2] [--defaults-only] [--out results/tune_replay.json]
+    TRITON_INTERPRET=1 python benchmarks/tuning/tune_replay.py --smoke    # tiny shapes on the CPU, prints only
 """
 
 from __future__ import annotations
@@ -30,24 +30,24 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hyscale_compile.runtime import hytopk  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from hyscale_compile.runtime import hytopk, rescore  # noqa: E402
 from hyscale_compile.runtime import sparse_backward as sb  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import training  # noqa: E402  (write_results: the results file every benchmark here writes)
 
 SHAPES = [(2048, 65536, 16), (4096, 131072, 16), (4096, 131072, 64)]  # (T, S, H)
 D, K = 128, 2048
 DEVICE = "cuda"
 
-# Overrides of hytopk's RESCORE_* settings, the default ({}) first; the second is the rescore before
+# Overrides of rescore's RESCORE_* settings, the default ({}) first; the second is the rescore before
 # all heads went into one MMA (a loop over 16-head groups at H=64, weights loaded per block).
 RESCORE_VARIANTS = [{}, dict(BJ=64, BLOCKS=16, MAX_BH=16, W_ONCE=False), dict(BJ=64, BLOCKS=16), dict(STAGES=2),
                     dict(BLOCKS=4), dict(BLOCKS=16), dict(W_ONCE=False), dict(WARPS=8)]
 # Gather floor shapes (keys per load, loads per program, warps, stages): the rescore's own first.
-GATHER_VARIANTS = [(hytopk.RESCORE_BJ, hytopk.RESCORE_BLOCKS, 4, hytopk.RESCORE_STAGES), (64, 16, 8, 3),
+GATHER_VARIANTS = [(rescore.RESCORE_BJ, rescore.RESCORE_BLOCKS, 4, rescore.RESCORE_STAGES), (64, 16, 8, 3),
                    (128, 8, 8, 3), (32, 32, 4, 4), (64, 32, 4, 4), (16, 64, 2, 4)]
 # (row picks, stages, programs per SM; 0: one slice per row, no partial sums; deterministic dkx);
 # None: the default rule (sparse_backward._row_shape). The first is the reference of the others.
@@ -133,17 +133,17 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
     values, idx = hytopk.select(q, kx, w, K, scale, True, vis, float("-inf"))
     rows = []
     names = ("BJ", "BLOCKS", "STAGES", "MAX_BH", "WARPS", "W_ONCE")  # RESCORE_BJ: at most, see rescore_shape
-    old = {n: getattr(hytopk, "RESCORE_" + n) for n in names}
+    old = {n: getattr(rescore, "RESCORE_" + n) for n in names}
     try:
         for over in RESCORE_VARIANTS:
             for n in names:
-                setattr(hytopk, "RESCORE_" + n, over.get(n, old[n]))
+                setattr(rescore, "RESCORE_" + n, over.get(n, old[n]))
 
             def run():
                 return hytopk.rescore(q, kx, w, idx, scale, True, vis, float("-inf"))
 
-            row = dict(kernel="rescore", **{n.lower(): getattr(hytopk, "RESCORE_" + n) for n in names},
-                       heads_per_mma=hytopk.rescore_heads_per_mma(q.shape[2]))
+            row = dict(kernel="rescore", **{n.lower(): getattr(rescore, "RESCORE_" + n) for n in names},
+                       heads_per_mma=rescore.rescore_heads_per_mma(q.shape[2]))
             try:
                 out = run()
                 row.update(ms=bench(run), device_ms=device_ms(run),
@@ -154,7 +154,7 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
             rows.append(row)
     finally:
         for n in names:
-            setattr(hytopk, "RESCORE_" + n, old[n])
+            setattr(rescore, "RESCORE_" + n, old[n])
     return rows + gather_floor_rows(kx, idx)
 
 

@@ -1,0 +1,143 @@
+"""What one select call will do, decided once from its sizes: ``Plan``, and ``Tuning`` to override it.
+
+Every rule here is a default measured on the H200; the measurements are in benchmarks/NOTES-selection.md
+("Defaults and the measurements behind them"), under the name of the rule. The rules never change what
+a call returns, only how fast: results are exact and bitwise the same under any plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .env import interpreting
+from .filter_append import APPEND_ATOMIC, APPEND_PTX, APPEND_RESERVED
+from .final_pivots import lists_fit_rows
+from .problem import Problem, cdiv
+from .reference import Visibility
+from .score_tile import TileConfig
+
+RESERVED_APPEND_MAX_HEADS = 32  # up to this many heads the filter reserves slots at any share (see append_kind)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Overrides of the default rules for one call (tests force recovery with them, benchmarks sweep
+    them); None keeps the rule."""
+
+    tile: TileConfig | None = None  # the tile shape and its launch options (default: score_tile.TILE)
+    capacity: int | None = None  # candidate slots per row (a tiny one forces overflow -> recovery)
+    target: int | None = None  # candidates aimed for per row (a tiny one forces too-few -> recovery)
+    samples: int | None = None  # sample positions per query block
+    programs: int | None = None  # programs to aim for per launch
+    sample_split: int | None = None  # sampling programs per query block (default: one per two sample tiles)
+
+
+DEFAULT = Tuning()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and launch choices of one select call (``make_plan``)."""
+
+    k: int
+    target: int  # candidates aimed for per row
+    capacity: int  # candidate slots per row (C); k more after them hold the out-of-range extras
+    samples: int  # sample positions per query block (M)
+    sampled: bool  # whether any row's context passes the capacity (else no sampling, no threshold)
+    programs: int  # programs to aim for per launch
+    sample_split: int  # sampling programs per query block
+    filter_split: int  # key splits per query block of the filter
+    append: int  # the filter's append (APPEND_*)
+    asm: bool  # the appends' steps in PTX (not under the interpreter)
+    filter_options: dict  # the filter's launch options beyond its tile's
+    row_lists: bool  # the final select keeps its lists in the rows' unused slots
+
+    @property
+    def width(self) -> int:
+        """Slots of a row buffer: the candidates, then the extras."""
+        return self.capacity + self.k
+
+
+def sizes(k: int, S: int, tuning: Tuning = DEFAULT) -> tuple[int, int, int]:
+    """(target, capacity, samples): aim for 3k + 1024 candidates, room for 1.5x that plus slack."""
+    target = tuning.target if tuning.target is not None else 3 * k + 1024
+    cap = tuning.capacity if tuning.capacity is not None else ((3 * target) // 2 + 1024 + 63) // 64 * 64
+    cap = max(1, min(cap, S))
+    m = tuning.samples if tuning.samples is not None else min(max(4096, S // 128), 8192)
+    return target, cap, max(1, min(m, S))
+
+
+def make_plan(pb: Problem, k: int, tuning: Tuning = DEFAULT) -> Plan:
+    target, cap, M = sizes(k, pb.S, tuning)
+    programs = device_programs(pb.device, tuning)
+    append, asm = append_kind(pb.tile, pb.S, pb.H, cap, asm=not interpreting())
+    return Plan(k=k, target=target, capacity=cap, samples=M, sampled=pb.S > cap, programs=programs,
+                sample_split=tuning.sample_split or cdiv(M, 2 * pb.tile.bs),
+                filter_split=filter_split(pb, programs), append=append, asm=asm,
+                filter_options=filter_options(pb.tile, bool(pb.descriptors), append, asm),
+                row_lists=row_lists(k, pb.S, target, cap, pb.vis))
+
+
+def device_programs(device: torch.device, tuning: Tuning = DEFAULT) -> int:
+    """Programs to aim for per launch: four per SM (two on the CPU, where the interpreter runs them in turn)."""
+    if tuning.programs is not None:
+        return tuning.programs
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def filter_split(pb: Problem, programs: int) -> int:
+    """Key splits per query block: enough to fill the device, and at least 32 so that the programs in
+    flight together cover few query blocks (their q stays in L2 even at H=64)."""
+    return max(1, min(cdiv(pb.S, pb.tile.bs), max(32, cdiv(programs, pb.n_tblk * pb.B))))
+
+
+def append_kind(tile: TileConfig, S: int, H: int, cap: int, asm: bool) -> tuple[int, bool]:
+    """(append, asm): the tile's append (filter_append's APPEND_*), or by default the reserved one
+    unless the heads are many and few entries pass (about cap / 1.5 of a row's S keys). The reserved
+    append costs every entry the same few instructions; the per-entry one is a compare and a skipped
+    branch for an entry that fails, and a wait on its atomic for one that passes, which a short tile
+    (few heads) cannot hide. Measured, the reserved one wins up to 32 heads at any share of passing
+    keys, and wherever many pass; at 64 heads with few passing the two are even, so the per-entry one
+    stays there (benchmarks/NOTES-selection.md, "Defaults and the measurements behind them": append
+    rule). The PTX steps only where there is PTX (asm): the PTX per-entry append becomes the portable
+    atomic one under the interpreter, the reserved one its triton twin. The reserved append needs BS
+    of 32 to 256 and, in PTX, a thread for each quarter of a row at most (BT * 4 >= threads): inline
+    PTX runs once per copy of an element."""
+    a = tile.append
+    if a is None:
+        a = APPEND_RESERVED if cap * 16 >= S or H <= RESERVED_APPEND_MAX_HEADS else APPEND_PTX
+    if a == APPEND_RESERVED and (tile.bs not in (32, 64, 128, 256) or (asm and tile.bt * 4 < 32 * tile.warps)):
+        a = APPEND_PTX
+    return int(APPEND_ATOMIC if a == APPEND_PTX and not asm else a), asm
+
+
+def filter_options(tile: TileConfig, descriptors: bool, append: int, asm: bool) -> dict:
+    """Launch options of the filter where its tile leaves them to us: q and kx by descriptor, no append,
+    register cap or extra stages asked for, at most 64 accumulator registers a thread. Both PTX appends
+    are capped at 168 registers: three tiles in flight per SM instead of two, faster than uncapped and
+    than a third pipeline stage (benchmarks/NOTES-selection.md, "Defaults and the measurements behind
+    them": filter registers). Launch options only: the bits do not change."""
+    if not asm or not descriptors or tile.append is not None or tile.maxnreg or tile.stages != 2:
+        return {}  # measured with descriptors only; pointer loads need more registers
+    if tile.bt * tile.bs > 64 * 32 * tile.warps:
+        return {}
+    return dict(maxnreg=168) if append in (APPEND_PTX, APPEND_RESERVED) else {}
+
+
+def row_lists(k: int, S: int, target: int, cap: int, vis: Visibility) -> bool:
+    """Whether the final select keeps its lists in the rows' unused slots (no scratch memory): only
+    where every row's context passes the C slots, so that the threshold cut it to about ``target``
+    of them. A row of a shorter context keeps every key and may fill its slots (a causal prefill's
+    first C rows, windows): with many such rows the pool would run out and they would select over
+    their whole buffers, so those calls keep a scratch list per program. Known without looking at
+    the device: no windows, and a causal offset (none per batch) past C."""
+    if S <= cap or vis.starts is not None or vis.ends is not None:
+        return False
+    if vis.causal and (vis.offsets is not None or vis.offset + 1 <= cap):  # row 0 sees offset + 1 keys
+        return False
+    return lists_fit_rows(k, cap + k, cap - target)
+

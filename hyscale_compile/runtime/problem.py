@@ -1,0 +1,143 @@
+"""One call's operands as every HyTopK kernel takes them: ``Problem``.
+
+The select and rescore entries build one per call; each stage and the benchmarks' own kernels
+launch through it, so every kernel sees the same operands, strides, flags and tile (the same tile
+shape gives the same MMA, hence the same score bits in every kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from . import additive_causal, score_tile
+from .env import interpreting
+from .reference import Visibility, order_key
+from .score_tile import TileConfig, act_kind, block_d, precision, tma_views
+
+
+class Problem:
+    """Operands, strides, constexpr flags and row ranges of one call, for tiles of ``tile`` (default:
+    ``score_tile.TILE`` as it is at construction)."""
+
+    def __init__(self, q: Tensor, kx: Tensor, weights: Tensor | None, scale: float, relu: bool, vis: Visibility,
+                 fill: float, tile: TileConfig | None = None):
+        self.B, self.T, self.H, self.D = q.shape
+        self.S = kx.shape[1]
+        self.q, self.kx, self.w = _operands(q, kx, weights, float(scale))
+        self.device = q.device
+        self.vis = vis = additive_causal.as_bias(vis, self.B, self.T, self.S, self.device)
+        dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self.lo, self.hi = ranges(vis, self.B, self.T, self.S, self.device)
+        self.mask, mstr, self.bias, bstr = _aux(vis, self.B, self.T, self.S, dummy)
+        wt = self.w if self.w is not None else dummy
+        wstr = self.w.stride() if self.w is not None else (0, 0, 0)
+        self.wt = wt
+        self.scale, self.fill = float(scale), float(fill)
+        self.strides = (*self.q.stride()[:3], *self.kx.stride()[:2], *wstr, *mstr, *bstr)
+        self.tile = tile = dataclasses.replace(score_tile.TILE if tile is None else tile)
+        self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=tile.bt, BS=tile.bs, ACT=act_kind(relu, scale),
+                           HAS_W=self.w is not None, PREC=precision(self.q.dtype),
+                           HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)
+        self.n_tblk = cdiv(self.T, tile.bt)
+
+    @property
+    def rows(self) -> int:
+        return self.B * self.T
+
+    @functools.cached_property
+    def descriptors(self) -> dict:
+        """The filter's q and kx tensor descriptors, or {}: built on first use (rescore never needs them)."""
+        return tma_views(self.q, self.kx, self.tile)
+
+    def launch(self, kernel, grid, *args, **extra) -> None:
+        """kernel[grid](args, strides, consts, extra); extra may also override num_stages / maxnreg."""
+        opts = dict(num_warps=self.tile.warps, num_stages=self.tile.stages, maxnreg=self.tile.maxnreg)
+        opts.update((o, extra.pop(o)) for o in list(extra) if o in opts)
+        if not opts["maxnreg"] or interpreting():
+            del opts["maxnreg"]
+        kernel[grid](*args, *self.strides, **self.consts, **extra, **opts)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _unit_last(x: Tensor) -> Tensor:
+    """Kernels take any strides but a unit last one (broadcast views stay views)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _heads_in_int32(x: Tensor) -> Tensor:
+    """The kernels form head offsets h * head_stride in int32: a layout with heads far apart (a q
+    stored [B, H, T, D] and viewed [B, T, H, D] at a long context) is made contiguous instead."""
+    return x.contiguous() if x.shape[2] * x.stride(2) >= 2**31 else x
+
+
+def _operands(q: Tensor, kx: Tensor, weights: Tensor | None,
+              scale: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights with the scale folded in."""
+    dt = torch.promote_types(q.dtype, kx.dtype)
+    w = None if weights is None else _heads_in_int32(weights.float() * scale)
+    return _heads_in_int32(_unit_last(q.to(dt))), _unit_last(kx.to(dt)), w
+
+
+def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Each row's key range [lo, hi) from causal and windows (int64 [B, T]); lo <= hi always."""
+    lo = torch.zeros(B, T, dtype=torch.int64, device=device)
+    hi = torch.full((B, T), S, dtype=torch.int64, device=device)
+    if vis.causal:
+        lim = torch.arange(T, device=device, dtype=torch.int64).view(1, T) + (vis.offset + 1)
+        if vis.offsets is not None:
+            lim = lim + vis.offsets.to(device=device, dtype=torch.int64).view(B, 1)
+        hi = torch.minimum(hi, lim)
+    if vis.starts is not None:
+        lo = torch.maximum(lo, vis.starts.to(device=device, dtype=torch.int64))
+    if vis.ends is not None:
+        hi = torch.minimum(hi, vis.ends.to(device=device, dtype=torch.int64))
+    lo = lo.clamp(0, S)
+    hi = torch.maximum(hi.clamp(0, S), lo)
+    return lo.contiguous(), hi.contiguous()
+
+
+def _aux(vis: Visibility, B: int, T: int, S: int, dummy: Tensor) -> tuple[Tensor, tuple, Tensor, tuple]:
+    """Mask (as uint8) and bias as broadcast [B, T, S] views: read tile by tile with their strides."""
+    if vis.mask is not None:
+        m = vis.mask.expand(B, T, S).view(torch.uint8)
+        mstr = m.stride()
+    else:
+        m, mstr = dummy, (0, 0, 0)
+    if isinstance(vis.bias, additive_causal.StridedBias):
+        bias, bstr = vis.bias.base, vis.bias.strides
+    elif vis.bias is not None:
+        bias = vis.bias.expand(B, T, S)
+        bstr = bias.stride()
+    else:
+        bias, bstr = dummy, (0, 0, 0)
+    return m, mstr, bias, bstr
+
+
+def fill_key(fill: float) -> int:
+    """The int32 order key of the fill value (what the check and the recovery compare with)."""
+    return _fill_key(fill, math.copysign(1.0, fill))
+
+
+def fill_bits(fill: float) -> int:
+    """The fill value's fp32 bits as an int32 (what the kernels write for masked positions)."""
+    return _fill_bits(fill, math.copysign(1.0, fill))
+
+
+# Cached (each call built a CPU tensor, per launch), keyed with the sign too: -0.0 == 0.0 as floats,
+# but the bits differ. A NaN never hits the cache (nan != nan): it is computed, as before.
+@functools.lru_cache(maxsize=64)
+def _fill_key(fill: float, sign: float) -> int:
+    return int(order_key(torch.tensor([fill], dtype=torch.float32))[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _fill_bits(fill: float, sign: float) -> int:
+    return int(torch.tensor([fill], dtype=torch.float32).view(torch.int32)[0])

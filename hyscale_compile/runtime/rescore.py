@@ -1,0 +1,173 @@
+"""Selection replay's rescore: the values of given positions, bit-identical to what select returns.
+
+Under activation recomputation the backward needs the selected values again; rescoring only the k
+saved positions per row costs k score dots instead of the whole context. Each program takes one
+query row's picks BJ at a time: the gathered keys times all the row's heads in one MMA, then the
+heads summed in order with score_tile's per-head step (``act_fma``), so every value has the bits
+select computed for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .columns import columns
+from .problem import Problem, cdiv
+from .reference import Visibility
+from .score_tile import act_fma, tile_values
+
+# Rescore tile: RESCORE_BJ gathered keys x all heads (up to RESCORE_MAX_BH) per MMA, RESCORE_BLOCKS
+# such blocks per program, loaded RESCORE_STAGES ahead of use: faster than 64 keys x 16-head MMAs with
+# per-block weight loads at every training shape (benchmarks/NOTES-selection.md, "Defaults and the
+# measurements behind them": rescore tile).
+RESCORE_BJ = 128  # most gathered keys per MMA (its M); 64 where a stage would pass RESCORE_STAGE_BYTES
+RESCORE_STAGE_BYTES = 32768
+RESCORE_MAX_BH = 64  # most heads per MMA (its N); 16 is the smallest tensor-core N
+RESCORE_BLOCKS = 8
+RESCORE_STAGES = 3
+RESCORE_WARPS = 4
+RESCORE_W_ONCE = True  # the row's head weights loaded once per program, not per block
+
+
+def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scale: float, relu: bool,
+            vis: Visibility, fill: float) -> Tensor:
+    """Values at the given positions, bit-identical to what ``select`` returns for them."""
+    B, T = q.shape[0], q.shape[1]
+    K = indices.shape[-1]
+    out = torch.empty(B, T, K, dtype=torch.float32, device=q.device)
+    if K == 0 or B * T == 0:
+        return out
+    pb = Problem(q, kx, weights, scale, relu, vis, fill)
+    idx = indices.to(torch.int64).contiguous()
+    bj, bh = rescore_shape(pb.H, pb.consts["BLOCK_D"], pb.kx.element_size(), pb.consts["PREC"])
+    consts = dict(pb.consts, H=pb.H, BJ=bj, BH=bh, W_ONCE=RESCORE_W_ONCE)
+    del consts["BT"], consts["BS"]
+    picks = bj * RESCORE_BLOCKS
+    rescore_kernel[(B * T, cdiv(K, picks))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
+                                            T, pb.S, K, pb.scale, pb.fill, picks, *pb.strides, **consts,
+                                            num_warps=RESCORE_WARPS, num_stages=RESCORE_STAGES)
+    return out
+
+
+def rescore_heads_per_mma(H: int) -> int:
+    """All heads in one MMA up to RESCORE_MAX_BH: then q is loaded once per program and the block loop
+    stays pipelined (at H=64, four 16-head MMAs in a runtime loop left the key gathers unpipelined)."""
+    return min(RESCORE_MAX_BH, max(16, 1 << (H - 1).bit_length()))
+
+
+def rescore_shape(H: int, block_d: int, elsize: int, prec: str) -> tuple[int, int]:
+    """(keys, heads) per rescore MMA. fp32 operands scored in ieee fp32 go through a CUDA-core dot,
+    where all 64 heads at once spilled (offline sm_90 build): 64 keys x 16 heads, as before. Never
+    fewer than 64 keys: below a warpgroup's M the MMA is another instruction (mma.sync, not wgmma)
+    than select's tiles use, and nothing promises the same bits from both."""
+    if elsize == 4 and prec == "ieee":
+        return 64, 16
+    return max(64, min(RESCORE_BJ, RESCORE_STAGE_BYTES // (block_d * elsize))), rescore_heads_per_mma(H)
+
+
+@triton.jit
+def _load_heads(q_row, c, sqh, offs_d, d_ok, H: tl.constexpr, BH: tl.constexpr):
+    """Heads c .. c+BH-1 of one query row as the [D, BH] operand of the rescore MMA (missing heads 0)."""
+    hh = tl.arange(0, BH)
+    return tl.load(q_row + (c + hh)[None, :] * sqh + offs_d[:, None], mask=(c + hh < H)[None, :] & d_ok[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _row_weights(w_row, swh, H: tl.constexpr, BH: tl.constexpr):
+    """The row's BH head weights as scalars (0 past H), loaded once per program: loaded per block they
+    were 64 uniform loads per thread per 64 keys at H=64, 8x the load instructions of the key gathers."""
+    ws = ()
+    for h in tl.static_range(BH):
+        ws = ws + (tl.load(w_row + h * swh, mask=h < H, other=0.0),)
+    return ws
+
+
+@triton.jit
+def _head_scores(kg, qt, BH: tl.constexpr, PREC: tl.constexpr):
+    """The BH heads' dots of the gathered keys kg: one [BJ, D] x [D, BH] MMA, each head's column moved
+    out by splits (no arithmetic, no cross-thread sums: a where + sum per head cost BH times the work
+    and failed triton's pipeliner at H=64)."""
+    if PREC == "upcast":
+        s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
+    return columns(s, BH)
+
+
+@triton.jit
+def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_ptr, bias_ptr,
+                   T, S, K, scale, fill, picks,
+                   sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
+                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
+                   ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, W_ONCE: tl.constexpr = True):
+    """Values of one query row at ``picks`` given positions, BJ at a time: the gathered keys times the
+    row's heads in one [BJ, D] x [D, BH] MMA (BH >= H, up to 64; past that a loop over groups of BH
+    heads), then the heads summed in order with score_tile's per-head step.
+
+    Each score is the same fp32 dot (16-bit products are exact, accumulated by the tensor core in
+    the same k order) followed by the same act + FMA chain as in the filter, so the values equal
+    select's bit for bit; the GPU tests check that, and the interpreter tests check it against a kernel
+    that scores whole filter tiles.
+    The loop over blocks is software-pipelined (the launch's num_stages), so the dependent index -> key
+    loads of the next blocks are in flight during this one's math. H is a constexpr: at H <= BH the head loop
+    unrolls, the block loop is the innermost loop (the one the pipeliner works on) and the row's q is
+    loaded once, its weights too with W_ONCE (64 more registers at H=64). A runtime loop over 16-head
+    groups at H=64 left the block loop unpipelined.
+    """
+    r = tl.program_id(0).to(tl.int64)  # row b * T + t
+    b = r // T
+    t = r % T
+    j_lo = tl.program_id(1).to(tl.int64) * picks
+    j_hi = tl.minimum(j_lo + picks, K)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    one = tl.arange(0, 1).to(tl.int64)
+    lo = tl.load(lo_ptr + r + one)
+    hi = tl.load(hi_ptr + r + one)
+    row_ok = one == 0
+    q_row = q_ptr + b * sqb + t * sqt
+    w_row = w_ptr + b * swb + t * swt
+    if H <= BH:  # the row's heads and weights, loaded once for all its blocks
+        q_all = _load_heads(q_row, 0, sqh, offs_d, d_ok, H, BH)
+        if HAS_W and W_ONCE:
+            w_all = _row_weights(w_row, swh, H, BH)
+    for j0 in range(j_lo, j_hi, BJ):
+        j = j0 + tl.arange(0, BJ)
+        j_ok = j < j_hi
+        cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
+        c_ok = j_ok & (cols >= 0) & (cols < S)
+        cols = tl.where(c_ok, cols, 0)
+        kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :],
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.zeros((BJ,), dtype=tl.float32)
+        if H <= BH:  # one MMA: unrolled, so the block loop stays the innermost (pipelined) loop
+            sh = _head_scores(kg, q_all, BH, PREC)
+            for i in tl.static_range(H):  # heads in order, score_tile's step
+                if not HAS_W:
+                    w = scale
+                elif W_ONCE:
+                    w = w_all[i]
+                else:
+                    w = tl.load(w_row + i * swh)
+                acc = act_fma(sh[i], w, acc, ACT)
+        else:  # a loop over head groups (H > 64)
+            for c in range(0, H, BH):
+                sh = _head_scores(kg, _load_heads(q_row, c, sqh, offs_d, d_ok, H, BH), BH, PREC)
+                for i in tl.static_range(BH):
+                    if c + i < H:
+                        acc = act_fma(sh[i], tl.load(w_row + (c + i) * swh) if HAS_W else scale, acc, ACT)
+        val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
+                             mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
+        tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)
+
+
+@triton.jit
+def canonical(v):
+    """NaN as 0x7FC00000 and -0.0 as +0.0: the values select returns (they come back from order keys)."""
+    v = tl.where(v != v, float("nan"), v)
+    return tl.where(v == 0.0, 0.0, v)
