@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..dispatch import interpreting
+from ..env import interpreting
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)  # for use inside kernels
