@@ -257,7 +257,7 @@ def stage_times(pb, plan) -> dict:
     """HyTopK stage by stage: sampling, threshold, the filter's compare alone (no append), the filter,
     and the final select over the candidate buffers."""
     buf, samp, msamp = hytopk.sample(pb, plan)
-    thr = hytopk.threshold(pb, plan, buf, samp, msamp)
+    thr = hytopk.threshold(pb, plan, buf, samp, msamp).filter_key
     sink = floor.sink(pb, plan.filter_split)
     out = dict(sample_ms=round(bench(lambda: hytopk.sample(pb, plan)), 3),
                threshold_ms=round(bench(lambda: hytopk.threshold(pb, plan, buf, samp, msamp)), 3),

@@ -93,7 +93,7 @@ def paths(shape: tuple[int, int, int, int], smoke: bool) -> dict:
         row[f"{tag}_active"] = bool(pb.descriptors)
         row[f"{tag}_floor_ms"] = floor_ms(pb, plan, smoke)
         buf, thr = hytopk.sample_threshold(pb, plan)
-        row[f"{tag}_filter_ms"] = bench(smoke, hytopk.filter_rows, pb, plan, thr, buf)
+        row[f"{tag}_filter_ms"] = bench(smoke, hytopk.filter_rows, pb, plan, thr.filter_key, buf)
         picks[tma] = hytopk.select(q, kx, w, k, scale, True, vis, float("-inf"), tuning=tuning)
         row[f"{tag}_select_ms"] = bench(smoke, hytopk.select, q, kx, w, k, scale, True, vis, float("-inf"),
                                         tuning=tuning)
@@ -126,10 +126,10 @@ def filters(shape: tuple[int, int, int, int], smoke: bool, variants=tuple(FILTER
         pv = hytopk.Problem(q, kx, w, scale, True, vis, float("-inf"), tile(**FILTER_VARIANTS[name]))
         pl = hytopk.make_plan(pv, k)
         mine = buf.clone()
-        got = appended(mine, hytopk.filter_rows(pv, pl, thr, mine), cap)
+        got = appended(mine, hytopk.filter_rows(pv, pl, thr.filter_key, mine), cap)
         first = got if first is None else first
         row[f"{name}_same"] = bool(torch.equal(got, first))
-        row[f"{name}_ms"] = bench(smoke, hytopk.filter_rows, pv, pl, thr, mine)
+        row[f"{name}_ms"] = bench(smoke, hytopk.filter_rows, pv, pl, thr.filter_key, mine)
     return row
 
 

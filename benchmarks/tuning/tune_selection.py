@@ -95,7 +95,7 @@ def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
             fewer = hytopk.make_plan(pb, k, dataclasses.replace(tuning, sample_split=n))
             row[f"sample_split{n}_ms"] = bench(lambda fewer=fewer: hytopk.sample(pb, fewer))
     row["threshold_ms"] = bench(lambda: hytopk.threshold(pb, plan, buf, samp, msamp))
-    thr = hytopk.threshold(pb, plan, buf, samp, msamp)
+    thr = hytopk.threshold(pb, plan, buf, samp, msamp).filter_key
     row["compare_only_ms"] = bench(lambda: floor.count(pb, plan, thr, sink))
     for append in (3, 2, 0) if cfg == CONFIGS[0] else (None,):  # None: the default rule
         pa, pla = problem(dataclasses.replace(tuning.tile, append=append))

@@ -3,6 +3,8 @@
     sample     -> per row, keys of M evenly spaced positions of its range       (sample.py)
     threshold  -> the ceil(target*m/ctx)-th best sample; writes the row's extras (sample.py)
     filter     -> score tiles on chip, append entries >= threshold             (filter.py, filter_append.py)
+                  (only those above it on a tie row: see sample.py)
+    ties       -> a tie row's lowest-position entries equal to its threshold    (ties.py)
     check      -> flag rows whose buffer overflowed or may miss part of the top-k, and note which
                   rows' extras can rank at all                                  (check.py)
     recovery   -> flagged rows: radix select over recomputed scores              (recover.py)
@@ -12,8 +14,9 @@
 A ``Problem`` holds the call's operands, a ``Plan`` its sizes and launch choices (decided once);
 every stage takes both. Every stage runs on the device and nothing reads a count on the host, so a
 call never synchronizes and can be captured in a CUDA graph. Results are exact: a row's buffer
-holds every entry of its range that ties or beats the threshold, plus its k lowest out-of-range
-positions (value ``fill``); a row is flagged whenever that set might not contain its top k.
+holds every entry of its range that beats the threshold and those that tie it (on a tie row, the
+lowest-position ones that can still rank), plus its k lowest out-of-range positions (value ``fill``);
+a row is flagged whenever that set might not contain its top k.
 
 Recovery and the "full path" past 64 flagged rows are one mechanism: groups of 64 flagged rows
 are work items of the same radix-select launches, whose programs read the flagged count on the
@@ -37,12 +40,13 @@ from .problem import Problem
 from .recover import recover
 from .reference import Visibility
 from .rescore import rescore
-from .sample import sample, sample_threshold, threshold
+from .sample import Thresholds, sample, sample_threshold, threshold
+from .ties import fill_ties
 
 # The entries (select, rescore) and, for benchmarks and tests that time or check one stage, the stages
 # and what they take: one surface, so that no caller needs the kernel modules behind it.
 __all__ = ["select", "rescore", "candidates", "Problem", "Plan", "Tuning", "make_plan", "sample", "threshold",
-           "sample_threshold", "filter_rows", "select_rows"]
+           "sample_threshold", "Thresholds", "filter_rows", "fill_ties", "select_rows"]
 
 
 def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
@@ -77,8 +81,9 @@ def candidates(pb: Problem, plan: Plan) -> tuple[Tensor, tuple[Tensor, int, Tens
     last), and which of their slots can hold part of it: (int32 [R] counts, C, int32 [R] tail), the first
     counts[r] of the C candidate slots and the first tail[r] of the k slots past them; the rest is garbage."""
     buf, thr = sample_threshold(pb, plan)
-    cnt = filter_rows(pb, plan, thr, buf)
-    used, tail, rows, nflag = check(pb, plan, cnt, thr)
+    cnt = filter_rows(pb, plan, thr.filter_key, buf)
+    fill_ties(pb, plan, thr, cnt, buf)
+    used, tail, rows, nflag = check(pb, plan, cnt, thr.key)
     recover(pb, plan, nflag, rows, buf)
     return buf, (used, plan.capacity, tail)
 

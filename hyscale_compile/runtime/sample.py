@@ -8,9 +8,17 @@
 
 A row whose context fits its C slots takes no threshold (every entry of its range passes), and
 when no row's context passes C nothing is sampled at all.
+
+A threshold on a tie group (many keys scoring exactly the threshold: a zero-initialised weight
+projection scores every key 0, ReLU zeroes most keys) would let the whole group pass and overflow the
+row. Ties go to the lowest positions, so the group's winners need not pass the filter: such a row (the
+samples say the group would take more than half the room its higher entries leave) gets a filter key
+one above its threshold, and ``ties.fill_ties`` appends the group's lowest positions after the filter.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -78,20 +86,23 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
 
 
 @triton.jit
-def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
+def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr, fthr_ptr, tie_ptr,
                      S, k, C, target, M, samp_stride, width, fill_bits,
                      SAMPLED: tl.constexpr, MB: tl.constexpr, EB: tl.constexpr):
     """Per row: the target-th best sample key as threshold (ceil(target*m/ctx)-th), then the first k
     out-of-range positions (value fill) after the C candidate slots, sentinels past them. The slots
     themselves are not reset: the filter counts what it appends and the final select reads no more.
 
-    Rows whose context fits the buffer skip the threshold: every entry of their range passes.
+    Rows whose context fits the buffer skip the threshold: every entry of their range passes. A row whose
+    threshold sits on a tie group (its equal samples, scaled to the row, would take more than half the
+    slots its higher entries leave) is marked in tie[r] and filters with the key one above (fthr[r]).
     """
     r = tl.program_id(0).to(tl.int64)
     lo = tl.load(lo_ptr + r)
     hi = tl.load(hi_ptr + r)
     ctx = hi - lo
     thr = tl.full((), -2147483648, tl.int64)
+    tie = thr > thr  # False until the samples say otherwise
     if SAMPLED:
         m = tl.load(msamp_ptr + r).to(tl.int64)
         rank = (target * m + ctx - 1) // tl.maximum(ctx, 1)
@@ -118,7 +129,15 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
             a = tl.min(tl.where(keys >= hit.to(tl.int32), keys, 2147483647), axis=0).to(tl.int64)
         use = (ctx > C) & (rank >= 1) & (rank <= m)
         thr = tl.where(use, a, thr)
+        valid = keys != -2147483648
+        n_eq = tl.sum((valid & (keys == a.to(tl.int32))).to(tl.int64), axis=0)
+        n_gt = tl.sum((valid & (keys > a.to(tl.int32))).to(tl.int64), axis=0)
+        # n_eq * ctx / m > (C - n_gt * ctx / m) / 2, in integers; a NaN threshold (key 0x7FC00000) keeps
+        # the plain filter (one key above a NaN is a NaN, which every entry passes)
+        tie = use & (2 * n_eq * ctx > C * m - n_gt * ctx) & (a < 0x7FC00000)
     tl.store(thr_ptr + r, thr.to(tl.int32))
+    tl.store(fthr_ptr + r, tl.where(tie, thr + 1, thr).to(tl.int32))
+    tl.store(tie_ptr + r, tie.to(tl.int8))
     tl.debug_barrier()  # the samples may reach into the extras' slots: read them all before overwriting
     sentinel = tl.full((EB,), -1, tl.int64)  # an empty slot (no position is 2**32 - 1)
     n_ext = tl.minimum(S - ctx, k)
@@ -130,8 +149,16 @@ def threshold_kernel(samp_ptr, msamp_ptr, buf_ptr, lo_ptr, hi_ptr, thr_ptr,
         tl.store(buf_ptr + r * width + C + j, comp, mask=j < k)
 
 
-def sample_threshold(pb: Problem, plan: Plan) -> tuple[Tensor, Tensor]:
-    """(row buffers with the out-of-range extras in place, int32 row thresholds)."""
+class Thresholds(NamedTuple):
+    """Each row's pass mark, as int32 order keys, and the rows whose mark sits on a tie group."""
+
+    key: Tensor  # [R] the threshold: every entry above it, and the tie group's winners, are candidates
+    filter_key: Tensor  # [R] what the filter compares with: key, or key + 1 on a tie row (only entries above)
+    tie: Tensor  # [R] int8: 1 where ties.fill_ties appends the group's lowest positions after the filter
+
+
+def sample_threshold(pb: Problem, plan: Plan) -> tuple[Tensor, Thresholds]:
+    """(row buffers with the out-of-range extras in place, the rows' thresholds)."""
     buf, samp, msamp = sample(pb, plan)
     return buf, threshold(pb, plan, buf, samp, msamp)
 
@@ -158,16 +185,18 @@ def sample(pb: Problem, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     return buf, samp, msamp
 
 
-def threshold(pb: Problem, plan: Plan, buf: Tensor, samp: Tensor, msamp: Tensor) -> Tensor:
-    """Per-row int32 threshold keys from the samples; writes the extras (candidate slots are left as they are:
-    the final select reads only as many as the filter appended)."""
+def threshold(pb: Problem, plan: Plan, buf: Tensor, samp: Tensor, msamp: Tensor) -> Thresholds:
+    """Per-row thresholds from the samples; writes the extras (candidate slots are left as they are: the
+    final select reads only as many as the filter and the tie fill appended)."""
     R, M = pb.rows, plan.samples
     thr = torch.empty(R, dtype=torch.int32, device=pb.device)
+    fthr = torch.empty(R, dtype=torch.int32, device=pb.device)
+    tie = torch.empty(R, dtype=torch.int8, device=pb.device)
     mb = max(16, 1 << max(0, (M - 1).bit_length()))
-    threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, pb.S, plan.k, plan.capacity, plan.target, M,
-                           samp.stride(0), plan.width, fill_bits(pb.fill), SAMPLED=plan.sampled, MB=mb, EB=1024,
+    threshold_kernel[(R,)](samp, msamp, buf, pb.lo, pb.hi, thr, fthr, tie, pb.S, plan.k, plan.capacity, plan.target,
+                           M, samp.stride(0), plan.width, fill_bits(pb.fill), SAMPLED=plan.sampled, MB=mb, EB=1024,
                            num_warps=threshold_warps(mb))
-    return thr
+    return Thresholds(thr, fthr, tie)
 
 
 def threshold_warps(mb: int) -> int:

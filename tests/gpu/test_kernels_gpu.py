@@ -195,3 +195,21 @@ def test_reserved_append_capacity_contract(bs, masked, windows):
     q, kx, w = exact_inputs(1, 70, 4, 64, 3000, seed=7)
     cnt, C = filter_contract.check(q, kx, w.abs() + 0.25, 64, append=3, bs=bs, masked=masked, windows=windows)
     assert (cnt > C).sum() >= 2 and (cnt <= C).sum() >= 2
+
+
+@pytest.mark.parametrize("family", ["all_equal", "relu_zero_majority"])
+def test_tie_rows_need_no_recovery(family):
+    """Every key scoring the same, or most keys 0 after the ReLU (the k-th value is 0): the threshold sits on a
+    tie group; the filter keeps what beats it and the tie stage the group's lowest positions, exactly, with no
+    row recovered (these rows all overflowed before)."""
+    hytopk, _, stats = _mods()
+    q, kx, w = exact_inputs(1, 512, 16, 128, 131072, seed=7)
+    if family == "all_equal":
+        w = torch.zeros_like(w)
+    else:
+        q, kx, w = q.abs() + 0.125, -(kx.abs() + 0.125), w.abs()
+        pos = torch.randperm(131072, device="cuda")[:1000]
+        kx[:, pos] = -kx[:, pos]
+    stats.reset()
+    check_exact(q, kx, w, 2048, Visibility(causal=True, offset=131072 - 512))
+    assert stats.read().rows_recovered == 0
