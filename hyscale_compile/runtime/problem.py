@@ -30,7 +30,7 @@ class Problem:
         self.S = kx.shape[1]
         self.q, self.kx, self.w = _operands(q, kx, weights, float(scale))
         self.device = q.device
-        self.vis = vis = additive_causal.as_bias(vis, self.B, self.T, self.S, self.device)
+        self.vis = vis = additive_causal.as_bias(vis, q, kx, weights, float(scale), float(fill))
         dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
         self.lo, self.hi = ranges(vis, self.B, self.T, self.S, self.device)
         self.mask, mstr, self.bias, bstr = _aux(vis, self.B, self.T, self.S, dummy)

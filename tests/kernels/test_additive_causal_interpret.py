@@ -54,3 +54,26 @@ def test_additive_causal_beside_a_bias_matches_reference():
     v, i = hytopk.select(q, kx, w, 8, 0.5, True, vis, NEG_INF)
     rv, ri = reference.select(q, kx, w, 8, 0.5, True, vis, NEG_INF)
     assert _same(v, rv) and torch.equal(i, ri)
+
+
+def test_additive_causal_with_a_finite_fill_scores_every_key():
+    """A bool mask with a finite fill beside the additive triangle: out-of-range keys would carry the fill, not
+    -inf, so no row is cut at its limit; every value still equals the reference's."""
+    q, kx, w = _inputs(seed=2)
+    mask = torch.rand(2, 5, 40, generator=torch.Generator().manual_seed(4)) > 0.2
+    vis = Visibility(causal=True, offset=10, mask=mask, causal_additive=True)
+    v, i = hytopk.select(q, kx, w, 20, 0.5, True, vis, -1e4)
+    rv, ri = reference.select(q, kx, w, 20, 0.5, True, vis, -1e4)
+    assert _same(v, rv) and torch.equal(i, ri)
+    assert (rv == -1e4).any() and torch.isinf(rv).any()  # both kinds of masked pick are selected
+
+
+def test_rows_that_cannot_overflow_stop_at_their_limit():
+    from hyscale_compile.runtime import additive_causal
+
+    q, kx, w = _inputs()
+    q[1, 3, 0, 0] = float("inf")
+    vis = additive_causal.as_bias(Visibility(causal=True, offset=30, causal_additive=True), q, kx, w, 0.5,
+                                  NEG_INF)
+    want = torch.arange(5).view(1, 5) + 31
+    assert torch.equal(vis.ends[0], want[0]) and vis.ends[1, 3] == 40 and torch.equal(vis.ends[1, :3], want[0, :3])
