@@ -16,7 +16,7 @@ mask (``empty="zero"``); a softmax over scores that a ``finfo.min`` absorbed is 
 rejected unless no row can be empty.
 
 The partner masks are split into conjunctions and mapped to what the op has: a position predicate
-``s <= t + c`` is the causal kind (``masks.visible_where``); a tensor that varies only over batch and key is
+``s <= t + c`` is the causal kind (``positions.visible_where``); a tensor that varies only over batch and key is
 the [B, S] key mask (padding); anything else over (batch, query, key) is read at the picks, so the op sees it
 as picks dropped from the indices. A mask that differs between heads cannot be expressed (one set of picks is
 shared by the heads of a query).
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from . import masks
+from . import masks, positions
 from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, mask_op, same_shape
 from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Leaf, Reject
@@ -125,7 +125,7 @@ class _Expr:
         self.root = att.mask
         self.labels: dict[fx.Node, tuple] = {}
         self.partners: list[Term] = []
-        self.triangles: dict[fx.Node, masks.Pred] = {}  # additive partners: 0 where visible, -inf elsewhere
+        self.triangles: dict[fx.Node, positions.Pred] = {}  # additive partners: 0 where visible, -inf elsewhere
         self.consts: dict[fx.Node, object] = {}
         root_shape = shape(self.root)
         if root_shape is None or len(root_shape) > 4:
@@ -169,7 +169,7 @@ class _Expr:
         if dtype(node) == torch.bool:
             self.partners.append(Term(node, labels))
             return
-        triangle = masks.additive_visible_where(Leaf(node, labels))
+        triangle = positions.additive_visible_where(Leaf(node, labels))
         if triangle is not None:  # full(-inf).triu(d): 0 where visible, -inf elsewhere
             self.partners.append(Term(node, labels))
             self.triangles[node] = triangle
@@ -437,7 +437,7 @@ def _split(site: Site, node: fx.Node, labels: tuple, out: MaskPlan) -> None:
         out.key_terms.append(Term(node, labels))
         out.kinds.append("key mask")
         return
-    pred = masks.visible_where(Leaf(node, labels))
+    pred = positions.visible_where(Leaf(node, labels))
     terms = masks.causal_offset(pred, labels, "s", "t") if pred is not None else None
     if terms is not None and not out.causal:
         out.causal, out.offset_terms = True, terms
@@ -447,7 +447,7 @@ def _split(site: Site, node: fx.Node, labels: tuple, out: MaskPlan) -> None:
     out.kinds.append("mask read at the picks")
 
 
-def _triangle(site: Site, pred: masks.Pred, labels: tuple, out: MaskPlan) -> None:
+def _triangle(site: Site, pred: positions.Pred, labels: tuple, out: MaskPlan) -> None:
     terms = masks.causal_offset(pred, labels, "s", "t")
     if terms is None or out.causal:
         raise Reject("the model adds a -inf triangle that is not one causal limit on (query, key)", site.scatter)
