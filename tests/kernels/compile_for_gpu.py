@@ -75,7 +75,8 @@ def run_entry_points(parts=PARTS) -> None:
     g = torch.Generator().manual_seed(0)
     B, T, S, H, D, k = 1, 64, 8192, 16, 128, 64  # S past the candidate capacity: sampling runs
     with dispatch.force_backend("triton"):
-        for dtype in (torch.bfloat16, torch.float32):
+        # fp32 operands only with the selection's variants: the training path's are bf16 (and fp16 below)
+        for dtype in (torch.bfloat16, torch.float32) if "selection" in parts else (torch.bfloat16,):
             q = torch.randn(B, T, H, D, generator=g).to(dtype).requires_grad_()
             kx = torch.randn(B, S, D, generator=g).to(dtype).requires_grad_()
             w = torch.randn(B, T, H, generator=g).requires_grad_()
