@@ -126,18 +126,42 @@ def is_index_scatter(node: fx.Node) -> bool:
 
 
 def consumer(node: fx.Node, limit: int = 32) -> fx.Node | None:
-    """The first attention (SDPA call or softmax) the scatter's value reaches through mask operations."""
+    """The first attention (an SDPA call reading it as its mask, or the softmax of an eager attention) the
+    scatter's value reaches through mask operations."""
     todo, seen = deque([node]), {node}
     while todo and len(seen) < limit:
         n = todo.popleft()
         for u in n.users:
             name, _ = mask_op(u)
-            if name == "sdpa" and _sdpa_mask(u) is n or name == "softmax":
+            if name == "sdpa" and _sdpa_mask(u) is n or name == "softmax" and is_eager_attention(u):
                 return u
             if name in MASK_OPS and u not in seen:
                 seen.add(u)
                 todo.append(u)
     return None
+
+
+def is_eager_attention(softmax: fx.Node, limit: int = 32) -> bool:
+    """Is this softmax the weights of an attention: over scores built from a q.k^T product (through scales, casts
+    and mask arithmetic), and multiplied with v (through casts and dropout)? A softmax over a router's or a
+    classifier's logits is not, and neither is a mask that only feeds one."""
+    n = softmax
+    while not any(op_name(u) == "matmul" and u.args[:1] == (n,) for u in n.users):
+        nxt = [u for u in n.users if op_name(u) in ("to", "float", "identity", "dropout") and u.args[:1] == (n,)]
+        if len(nxt) != 1:
+            return False
+        n = nxt[0]
+    todo, seen = [arg(softmax, 0, "input")], set()
+    while todo and len(seen) < limit:
+        x = todo.pop()
+        if not isinstance(x, fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        if parse_logits(x) is not None:
+            return True
+        if mask_op(x)[0] in MASK_OPS:
+            todo.extend(x.all_input_nodes)
+    return False
 
 
 def reaches_attention(node: fx.Node) -> bool:
