@@ -8,11 +8,14 @@ eager's exactly, except in the whole-layer cases, whose indexer inputs are posit
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import hyscale_compile
 from hyscale_compile.passes import report
+from hyscale_compile.runtime.sparse_attention import Picks, naive
 
 B, H, T, S, D, K = 2, 2, 6, 10, 8, 4
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -48,6 +51,85 @@ def _grads(fn, args, leaves):
     for t in leaves:
         t.grad = None
     return out.detach(), grads
+
+
+# ---------------------------------------------------------------------------------------------
+# 3, 4: what hides a key exactly, and the gradient of a row with nothing visible
+
+
+def _mixed_fill(q, k, v, score, pad):
+    idx = score.topk(3, dim=-1).indices
+    added = torch.where(_causal()[None, None] & pad[:, None, None, :], 0.0, MIN)
+    chosen = torch.zeros(B, T, S, dtype=torch.bool).scatter(-1, idx, True)[:, None]
+    w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+    w = (w + torch.where(chosen, added, 0.0)).masked_fill(~chosen, MIN)  # picked: added; not picked: replaced
+    return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32), v)
+
+
+def test_fill_added_at_some_keys_and_replacing_others_keeps_eager_gradient():
+    q, k, v, score = _inputs(requires_grad=True)
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[1, :8] = False  # batch 1: the first queries see no key
+    torch._dynamo.reset()
+    with report.collect() as reports:
+        got = _grads(torch.compile(_mixed_fill, backend="hyscale", options={"compiler": "eager"}),
+                     (q, k, v, score, pad), (q, k, v))
+    (site,) = [r for r in reports if r.kind == "attention"]
+    assert site.decision == "rejected" and "added to the score at some keys" in site.reason, site.reason
+    want = _grads(_mixed_fill, (q, k, v, score, pad), (q, k, v))
+    for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):
+        torch.testing.assert_close(a, b, **TOL)
+    # without a gradient the values are all that matter: rewritten (the mean of v, as eager)
+    with torch.no_grad():
+        out, (site,) = _compile(_mixed_fill, q, k, v, score, pad)
+        assert site.decision == "rewritten", site.reason
+        torch.testing.assert_close(out, _mixed_fill(q, k, v, score, pad), **TOL)
+
+
+def _finite_fill(fill: float, form: str):
+    def attn(q, k, v, score):
+        idx = score.topk(2, dim=-1).indices
+        chosen = torch.zeros(B, T, S, dtype=torch.bool).scatter(-1, idx, True)[:, None]
+        if form == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(chosen, 0.0, fill))
+        w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+        w = w.masked_fill(~chosen, fill) if form == "replaced" else w + torch.where(chosen, 0.0, fill)
+        return torch.matmul(F.softmax(w, dim=-1), v)
+
+    return attn
+
+
+@pytest.mark.parametrize("form", ["replaced", "added", "sdpa"])
+@pytest.mark.parametrize("fill", [-1e4, -1e9])
+def test_finite_fill_that_does_not_hide_exactly_is_left_alone(fill, form):
+    """BERT's -1e4 (or -1e9): eager's softmax lets a "hidden" key through once the logits reach that size."""
+    fn = _finite_fill(fill, form)
+    score = torch.arange(S, dtype=torch.float32).repeat(B, T, 1)  # picks keys 9 and 8
+    mag = 100.0 if fill == -1e4 else 3e4  # logits +-2.8e4 (+-2.5e9): picked keys' below the fill, the others' above
+    q, k = torch.full((B, H, T, D), mag), torch.full((B, H, S, D), mag)
+    k[:, :, 8:] = -mag
+    v = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(0))
+    out, (site,) = _compile(fn, q, k, v, score)
+    assert site.decision == "rejected" and "does not hide them exactly" in site.reason, site.reason
+    want = fn(q, k, v, score)
+    torch.testing.assert_close(out, want, **TOL)
+    assert (want - naive_picked_only(q, k, v, score)).abs().max() > 0.1  # the rewrite would have been wrong
+
+
+def naive_picked_only(q, k, v, score):
+    idx = score.topk(2, dim=-1).indices
+    out, _ = naive.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), idx, D ** -0.5, Picks(), "zero")
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), MIN])
+def test_fills_that_hide_exactly_are_rewritten(fill):
+    for form in ("replaced", "added", "sdpa"):
+        fn = _finite_fill(fill, form)
+        args = _inputs()
+        out, (site,) = _compile(fn, *args)
+        assert site.decision == "rewritten", (form, site.reason)
+        torch.testing.assert_close(out, fn(*args), **TOL)
 
 
 # ---------------------------------------------------------------------------------------------
