@@ -133,6 +133,44 @@ def test_fills_that_hide_exactly_are_rewritten(fill):
 
 
 # ---------------------------------------------------------------------------------------------
+# 8: nodes a pass inserted without example values
+
+
+def test_whole_dsa_layer_indices_straight_from_the_selection():
+    """Indexer -> topk(...).indices (no cast) -> scatter -> SDPA in one graph: the scatter reads the selection
+    pass's inserted getitem, which has no recorded shape."""
+    Hi, Di = 4, 8
+
+    def layer(iq, ik, iw, q, k, v):
+        sc = (torch.einsum("bthd,bsd->bths", iq, ik).relu() * iw[..., None]).sum(2)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        idx = sc.masked_fill(~causal, float("-inf")).topk(K, dim=-1).indices
+        sel = torch.zeros(B, T, T, dtype=torch.bool).scatter(-1, idx, True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(causal & sel)[:, None])
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=g).abs() + 0.1 for s in ((B, T, Hi, Di), (B, T, Di), (B, T, Hi))]
+    args += [torch.randn(B, H, T, D, generator=g) for _ in range(3)]
+    out, (site,) = _compile(layer, *args)
+    assert site.decision == "rewritten", site.reason
+    assert counters["hyscale"]["selection_rewritten"] == 1
+    torch.testing.assert_close(out, layer(*args), **TOL)
+
+
+def test_picks_shared_by_the_batch():
+    """A [T, K] top-k scattered into a [T, S] mask that every batch and head reads."""
+    def f(q, k, v, score):
+        idx = score[0].topk(K, -1).indices
+        im = torch.ones(T, S, dtype=torch.bool).scatter(-1, idx, False)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~im)
+
+    args = _inputs()
+    out, (site,) = _compile(f, *args)
+    assert site.decision == "rewritten", site.reason
+    torch.testing.assert_close(out, f(*args), **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
 # 10: what counts as a site
 
 

@@ -116,7 +116,7 @@ def find(scatter: fx.Node) -> sites_.Site:
         chain.discard(consumer)
     S = shape(attention.k)[2]
     origin, k = sites_.index_origin(index, S, scatter)
-    site = sites_.Site(scatter, base, index, origin, picked, fill, k, chain, attention)
+    site = sites_.Site(scatter, base, index, origin, picked, fill, k, sites_.shape_of(index), chain, attention)
     _check_chain_writes(site)
     return site
 
@@ -239,7 +239,7 @@ def _fmt(s) -> str:
 def _describe(report: SiteReport, site: sites_.Site) -> None:
     att = site.attention
     report.shapes = {"q": _fmt(shape(att.q)), "k": _fmt(shape(att.k)), "v": _fmt(shape(att.v)),
-                     "indices": _fmt(shape(site.index)), "attention": f"{att.kind} at {source_line(att.node)}",
+                     "indices": _fmt(site.index_shape), "attention": f"{att.kind} at {source_line(att.node)}",
                      "selection": source_line(site.origin)}
     mask = shape(site.scatter)
     b = symbolic_bytes(*mask) if mask is not None else None

@@ -347,7 +347,7 @@ def plan(site: Site) -> MaskPlan:
 
 
 def _check_scatter_shape(site: Site) -> None:
-    sc, idx = shape(site.scatter), shape(site.index)
+    sc, idx = shape(site.scatter), site.index_shape
     att = site.attention
     sq, sk = shape(att.q), shape(att.k)
     B, T, S = sq[0], sq[2], sk[2]

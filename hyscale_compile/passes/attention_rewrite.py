@@ -62,10 +62,10 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
     q = att.q
     B, T = _size(graph, q, 0), _size(graph, q, 2)
     S = _size(graph, att.k, 2)
-    idx = site.index
-    if len(shape(idx)) == 2:
-        idx = graph.call_method("unsqueeze", (idx, 0))
-    if is_one(shape(idx)[0]) and not is_one(shape(q)[0]):
+    idx, index_shape = site.index, site.index_shape
+    if len(index_shape) == 2:  # one set of picks [T, K] for the whole batch
+        idx, index_shape = graph.call_method("unsqueeze", (idx, 0)), (1, *index_shape)
+    if is_one(index_shape[0]) and not is_one(shape(q)[0]):
         idx = graph.call_method("expand", (idx, B, -1, -1))
     if plan.pick_terms:
         seen = None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
+from .graph_ops import arg, dtype, infer_value, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Reject
 from .report import input_name
 from .sites import describe
@@ -98,6 +98,7 @@ class Site:
     picked: object  # the number written at the picks
     fill: object  # the number everywhere else
     k: object  # picks per row: int or SymInt
+    index_shape: tuple = ()  # the indices' shape (also where a pass inserted the node without recording it)
     chain: set[fx.Node] = field(default_factory=set)  # mask nodes, scatter to attention (both included)
     attention: Attention | None = None
 
@@ -188,8 +189,8 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
     op can read them as a set. Anything else could repeat an index (the dense mask counts it once, a sparse
     sum twice) or leave the range."""
     n = index
-    while op_name(n) in ("to", "identity") and dtype(n) in _INDEX_DTYPES and (
-            shape_of(n.args[0]) is None or same_shape(shape_of(n.args[0]), shape(n))):
+    while op_name(n) in ("to", "identity") and getattr(infer_value(n), "dtype", None) in _INDEX_DTYPES and (
+            shape_of(n.args[0]) is None or same_shape(shape_of(n.args[0]), shape_of(n))):
         n = n.args[0]
     why = ("its indices are not a top-k's (a topk, sort or hyscale.select output, through int casts), so they may "
            "repeat within a row or leave [0, S): a repeated key counts once in the dense mask but twice in a sparse "
@@ -200,7 +201,7 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
             kx = sel.kwargs.get("kx", sel.args[1] if len(sel.args) > 1 else None)
             kx_shape = shape_of(kx)
             _check_range(kx_shape[1] if kx_shape else None, S, site_node)
-            return sel, shape(index)[-1]
+            return sel, _picks_per_row(index, site_node)
         if op_name(sel) == "topk":
             src = arg(sel, 0, "input")
             dim = arg(sel, 2, "dim", -1)
@@ -209,7 +210,7 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
                 raise Reject(f"the mask is scattered from top-k indices taken along another dim than the last; {why}",
                              site_node)
             _check_range(shape(src)[-1], S, site_node)
-            return sel, shape(index)[-1]
+            return sel, _picks_per_row(index, site_node)
     if op_name(n) == "getitem" and _is_leading_slice(n):
         src = n.args[0]
         inner = src.args[0] if op_name(src) == "getitem" and src.args[1] == 1 else src
@@ -218,37 +219,22 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
             dim = arg(inner, 1, "dim", -1)
             if isinstance(dim, int) and shape(x) is not None and normalize_dim(dim, len(shape(x))) == len(shape(x)) - 1:
                 _check_range(shape(x)[-1], S, site_node)
-                return inner, shape(index)[-1]
+                return inner, _picks_per_row(index, site_node)
     what = f"the graph input `{input_name(n)}`" if isinstance(n, fx.Node) and n.op == "placeholder" else describe(n)
     raise Reject(f"the index mask is scattered from {what}: {why}", site_node)
 
 
+def _picks_per_row(index: fx.Node, site_node: fx.Node):
+    s = shape_of(index)
+    if not s:
+        raise Reject("the shape of the scattered indices is unknown", site_node)
+    return s[-1]
+
+
 def shape_of(node) -> tuple | None:
-    """The shape of a node, also of the views and casts a pass inserted without recording example values."""
-    s = shape(node)
-    if s is not None or not isinstance(node, fx.Node) or not node.args:
-        return s
-    name = op_name(node)
-    src = shape_of(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-    if src is None:
-        return None
-    if name in ("to", "float", "identity", "detach"):
-        return src
-    if name == "permute":
-        perm = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-        return tuple(src[normalize_dim(d, len(src))] for d in perm)
-    if name == "transpose":
-        a, b = (normalize_dim(d, len(src)) for d in node.args[1:3])
-        out = list(src)
-        out[a], out[b] = out[b], out[a]
-        return tuple(out)
-    if name == "unsqueeze":
-        d = normalize_dim(node.args[1], len(src) + 1)
-        return src[:d] + (1,) + src[d:]
-    if name == "squeeze" and len(node.args) == 2:
-        d = normalize_dim(node.args[1], len(src))
-        return src[:d] + src[d + 1:] if is_one(src[d]) else src
-    return None
+    """The shape of a node, also of one a pass inserted without recording its example value."""
+    v = infer_value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _is_leading_slice(node: fx.Node) -> bool:
