@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import fx
 from torch._dynamo.utils import counters
 
 import hyscale_compile
 from hyscale_compile.passes import report
+from hyscale_compile.passes.graph_ops import written_in_place
 from hyscale_compile.runtime.sparse_attention import Picks, naive
 
 B, H, T, S, D, K = 2, 2, 6, 10, 8, 4
@@ -51,6 +53,80 @@ def _grads(fn, args, leaves):
     for t in leaves:
         t.grad = None
     return out.detach(), grads
+
+
+# ---------------------------------------------------------------------------------------------
+# 1, 2: in-place writes to what the pass reads, in any spelling
+
+
+def _written_logits(how: str):
+    def attn(q, k, v, score):
+        idx = score.topk(K, dim=-1).indices
+        w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+        if how == "tanh_":  # an in-place soft-cap of the scores
+            w.tanh_()
+        elif how == "setitem":  # a forced sink logit
+            w[..., 0] = 5.0
+        elif how == "foreach":
+            torch._foreach_mul_([w], 3.0)
+        elif how == "view":  # through a view the pass does not know by name
+            w.narrow(-1, 0, 2).mul_(3.0)
+        index_mask = torch.ones(B, T, S, dtype=torch.bool).scatter(-1, idx, False)[:, None]
+        w = w + torch.where(_causal(), 0.0, MIN).masked_fill(index_mask, MIN)
+        return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32), v)
+
+    return attn
+
+
+@pytest.mark.parametrize("how", ["tanh_", "setitem", "foreach", "view"])
+def test_logits_written_in_place_are_left_alone(how):
+    fn, args = _written_logits(how), _inputs()
+    out, (site,) = _compile(fn, *args)
+    assert site.decision == "rejected" and "may change" in site.reason, site.reason
+    torch.testing.assert_close(out, fn(*args), **TOL)
+
+
+def _written_operand(how: str):
+    def attn(q, k, v, score):
+        idx = score.topk(K, dim=-1).indices
+        sel = torch.zeros(B, T, S, dtype=torch.bool).scatter(-1, idx, True)
+        if how == "foreach_indices":  # the indices reused as a buffer after the mask is built
+            torch._foreach_add_([idx], 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=sel[:, None]), idx
+        w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+        if how == "foreach_keys":  # the keys written after the q.k^T product read them
+            torch._foreach_mul_([k, v], 2.0)
+        elif how == "mask_constant":  # the fill the mask evaluation reads from its constructor, zeroed
+            fill = torch.full((), MIN)
+            fill.zero_()
+            return torch.matmul(F.softmax(w + torch.where(sel[:, None], 0.0, fill), dim=-1), v)
+        return torch.matmul(F.softmax(w.masked_fill(~sel[:, None], MIN), dim=-1), v)
+
+    return attn
+
+
+@pytest.mark.parametrize("how", ["foreach_indices", "foreach_keys", "mask_constant"])
+def test_operands_written_in_place_are_left_alone(how):
+    fn, args = _written_operand(how), _inputs()
+    out, (site,) = _compile(fn, *[a.clone() for a in args])
+    assert site.decision == "rejected" and "may change" in site.reason, site.reason
+    for a, b in zip(flat_out(out), flat_out(fn(*[a.clone() for a in args]))):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def flat_out(x):
+    return list(x) if isinstance(x, tuple) else [x]
+
+
+def test_written_in_place_sees_out_and_foreach_writes():
+    """The shared helper (selection and attention passes) sees ``out=`` and ``torch._foreach_*_`` writes."""
+    graph = fx.Graph()
+    a, b, c, d = (graph.placeholder(n) for n in "abcd")
+    view = graph.call_method("transpose", (c, 0, 1))
+    graph.call_function(torch.add, (a, b), {"out": view})
+    graph.call_function(torch._foreach_add_, ([d], 1))
+    assert written_in_place(c) and written_in_place(d)
+    assert not written_in_place(a) and not written_in_place(b)
 
 
 # ---------------------------------------------------------------------------------------------

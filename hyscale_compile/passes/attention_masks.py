@@ -92,6 +92,7 @@ class MaskPlan:
     eager_empty_grad: bool = False
     causal: bool = False
     offset_terms: tuple = ()
+    nodes: list[fx.Node] = field(default_factory=list)  # the mask expression: what the evaluation read
     key_terms: list[Term] = field(default_factory=list)  # [B, S] (padding)
     pick_terms: list[Term] = field(default_factory=list)  # read at the picks
     kinds: list[str] = field(default_factory=list)
@@ -100,10 +101,6 @@ class MaskPlan:
     @property
     def kind(self) -> str:
         return " + ".join(self.kinds) or "none"
-
-    def reads(self) -> list[fx.Node]:
-        """Tensors the op reads where the model read them earlier (for the mutation check)."""
-        return [t.node for t in self.key_terms + self.pick_terms]
 
 
 def _labels_for(out_labels: tuple, out_shape, x) -> tuple:
@@ -331,7 +328,7 @@ def plan(site: Site) -> MaskPlan:
     for picked, *vs in itertools.product((False, True), repeat=len(partners) + 1):
         env = {t.node: v for t, v in zip(partners, vs)}
         table[(picked, *vs)] = expr.evaluate(picked, env)
-    out = MaskPlan()
+    out = MaskPlan(nodes=list(expr.labels))
     additive = _check_table(site, table)
     for t in partners:
         if t.node in expr.triangles:

@@ -85,6 +85,7 @@ class Attention:
     v: fx.Node
     scale: float
     logits: fx.Node | None = None  # eager: the scaled q.k^T, [B, H, T, S]
+    product: fx.Node | None = None  # eager: the q.k^T matmul, where the model reads q and k
     nodes: tuple[fx.Node, ...] = ()  # eager: the computation from q.k^T to the output (dies with the rewrite)
     dropout: str = "none"  # how dropout was found to be the identity ("p=0", "eval"), for the report
 
@@ -377,7 +378,9 @@ def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
     logits = _find_logits(x, chain, scatter)
     q, k, scale, lnodes = logits
     _check_layout(q, k, v, scatter, gqa=False)
-    return Attention("eager", out, x, q, k, v, scale, logits=lnodes[0], nodes=tuple(lnodes + nodes), dropout=how)
+    product = next(n for n in lnodes if op_name(n) == "matmul")
+    return Attention("eager", out, x, q, k, v, scale, logits=lnodes[0], product=product, nodes=tuple(lnodes + nodes),
+                     dropout=how)
 
 
 def _find_logits(root: fx.Node, chain: set[fx.Node], scatter: fx.Node):
