@@ -209,6 +209,55 @@ def test_fills_that_hide_exactly_are_rewritten(fill):
 
 
 # ---------------------------------------------------------------------------------------------
+# 5: autocast
+
+
+def _autocast_attention(form: str, enabled: bool = True):
+    def attn(q, k, v, score):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            idx = score.topk(K, dim=-1).indices
+            index_mask = torch.ones(B, T, S, dtype=torch.bool).scatter(-1, idx, False)[:, None]
+            if form == "sdpa":
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal() & ~index_mask)
+            w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+            w = w + torch.where(_causal(), 0.0, MIN).masked_fill(index_mask, MIN)
+            return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    return attn
+
+
+@pytest.mark.parametrize("form", ["sdpa", "eager"])
+def test_autocast_attention_computes_in_the_autocast_dtype(form):
+    """fp32 q, k, v under autocast(bfloat16): eager's attention is bf16, the op's output too (q, k, v cast as
+    autocast casts them), and as close to the fp32 attention as eager's (the op rounds once, from fp32 sums)."""
+    fn = _autocast_attention(form)
+    q, k, v, score = _inputs(requires_grad=True)
+    torch._dynamo.reset()
+    with report.collect() as reports:
+        got = _grads(torch.compile(fn, backend="hyscale", options={"compiler": "eager"}), (q, k, v, score), (q, k, v))
+    (site,) = [r for r in reports if r.kind == "attention"]
+    assert site.decision == "rewritten" and "autocast" in site.reason, site.reason
+    want = _grads(fn, (q, k, v, score), (q, k, v))
+    exact = _grads(_autocast_attention(form, enabled=False), (q, k, v, score), (q, k, v))
+    assert got[0].dtype == want[0].dtype == torch.bfloat16
+    for a, b, x in zip([got[0], *got[1]], [want[0], *want[1]], [exact[0], *exact[1]]):
+        assert a.dtype == b.dtype
+        ours, theirs = (a.float() - x).abs().max(), (b.float() - x).abs().max()
+        assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+def test_autocast_around_the_compiled_region():
+    fn = _written_logits("none")  # no write: a plain eager attention under an autocast entered outside
+    q, k, v, score = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = fn(q, k, v, score)
+        out, (site,) = _compile(fn, q, k, v, score)
+    assert site.decision == "rewritten", site.reason
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
 # 8: nodes a pass inserted without example values
 
 

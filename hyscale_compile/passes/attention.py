@@ -214,8 +214,12 @@ def _check_gain(site: sites_.Site) -> None:
 
 
 def _latent(site: sites_.Site):
+    att = site.attention
+    if att.dtype != dtype(att.q):
+        return None, (f"the attention runs under autocast in {att.dtype}, and the absorbed projections would run "
+                      "in another precision than the model's")
     try:
-        return match(site.attention), None
+        return match(att), None
     except NotLatent as err:
         return None, str(err)
 
@@ -256,6 +260,9 @@ def _notes(site: sites_.Site, plan: masks_.MaskPlan, latent, why_not: str | None
             notes.append(f"the dense index mask ({human_bytes(b * dtype(site.scatter).itemsize)}) and its combination "
                          "with the model's mask are no longer built")
     notes.extend(plan.notes)
+    if att.dtype != dtype(att.q):
+        notes.append(f"the attention runs under autocast: q, k and v are cast to {att.dtype} for the op, as autocast "
+                     "casts them for the model's attention")
     if latent is not None:
         Dk = latent.Dn + latent.Dr
         notes.append(f"the key/value up-projection is absorbed into the queries and the output (MLA latent layout): "

@@ -327,7 +327,10 @@ def plan(site: Site) -> MaskPlan:
     table = {}
     for picked, *vs in itertools.product((False, True), repeat=len(partners) + 1):
         env = {t.node: v for t, v in zip(partners, vs)}
-        table[(picked, *vs)] = expr.evaluate(picked, env)
+        v = expr.evaluate(picked, env)
+        if site.attention.kind == "sdpa" and isinstance(v, torch.Tensor):
+            v = v.to(site.attention.dtype)  # SDPA adds its float mask in its dtype (autocast casts the mask too)
+        table[(picked, *vs)] = v
     out = MaskPlan(nodes=list(expr.labels))
     additive = _check_table(site, table)
     for t in partners:

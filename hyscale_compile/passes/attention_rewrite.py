@@ -4,8 +4,9 @@ The op takes q [B, T, H, D], k [B, S, G, D], v [B, S, G, Dv] (transposed views o
 tensors; HF's ``repeat_kv`` is read back to its G key heads), the picks [B, T, K] as the model scattered them,
 the causal offset, a [B, S] key mask, and what an empty row gives. A model mask that is no position rule and no
 key mask is read at the picks, and the picks it hides are set to -1 (the op drops them). In the latent MLA
-layout (``attention_mla``) the up-projection is folded into q and applied to the output. The output is put
-back as the model's [B, H, T, Dv]; the dense masks, and what only fed them, are erased.
+layout (``attention_mla``) the up-projection is folded into q and applied to the output. Under autocast q, k and
+v are cast to the dtype the model's attention computes in. The output is put back as the model's [B, H, T, Dv];
+the dense masks, and what only fed them, are erased.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from . import masks
 from .attention_masks import MaskPlan, Term
 from .attention_mla import Latent
 from .attention_sites import Site, peel_repeat_kv
-from .graph_ops import is_one, mutates, op_name, shape
+from .graph_ops import dtype, is_one, mutates, op_name, shape
 from .legality import requires_grad
 from .rewrite import canonical
 
@@ -62,6 +63,7 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
     q = att.q
     B, T = _size(graph, q, 0), _size(graph, q, 2)
     S = _size(graph, att.k, 2)
+    cast = att.dtype if att.dtype != dtype(q) else None  # autocast: q, k, v as it casts them for the attention
     idx, index_shape = site.index, site.index_shape
     if len(index_shape) == 2:  # one set of picks [T, K] for the whole batch
         idx, index_shape = graph.call_method("unsqueeze", (idx, 0)), (1, *index_shape)
@@ -82,8 +84,8 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
     if latent is not None:
         qx, kx, vx = _latent_operands(graph, att.q, latent)
     else:
-        qx = graph.call_method("transpose", (q, 1, 2))
-        kx, vx = (_kv_operand(graph, x, B, shape(q)[0]) for x in (att.k, att.v))
+        qx = graph.call_method("transpose", (q if cast is None else graph.call_method("to", (q, cast)), 1, 2))
+        kx, vx = (_kv_operand(graph, x, B, shape(q)[0], cast) for x in (att.k, att.v))
     out = graph.call_function(torch.ops.hyscale.sparse_attention.default, (
         qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
     o = graph.call_function(operator.getitem, (out, 0))
@@ -98,10 +100,13 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
     return graph.call_method("transpose", (o, 1, 2))
 
 
-def _kv_operand(graph: fx.Graph, x: fx.Node, B, q_batch) -> fx.Node:
+def _kv_operand(graph: fx.Graph, x: fx.Node, B, q_batch, cast) -> fx.Node:
     """[B, Hk, S, D] (HF's repeat_kv read back to its Hk key heads) as the op's [B, S, G, D]."""
     x, _ = peel_repeat_kv(x)
-    if is_one(shape(x)[0]) and not is_one(q_batch):  # keys shared by the batch: broadcast as SDPA does
+    shared = is_one(shape(x)[0]) and not is_one(q_batch)  # keys shared by the batch: broadcast as SDPA does
+    if cast is not None:
+        x = graph.call_method("to", (x, cast))
+    if shared:
         x = graph.call_method("expand", (x, B, -1, -1, -1))
     return graph.call_method("transpose", (x, 1, 2))
 

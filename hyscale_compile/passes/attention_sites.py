@@ -84,6 +84,7 @@ class Attention:
     k: fx.Node
     v: fx.Node
     scale: float
+    dtype: torch.dtype  # what its products compute in: q's dtype, or autocast's (then q, k, v are cast to it)
     logits: fx.Node | None = None  # eager: the scaled q.k^T, [B, H, T, S]
     product: fx.Node | None = None  # eager: the q.k^T matmul, where the model reads q and k
     nodes: tuple[fx.Node, ...] = ()  # eager: the computation from q.k^T to the output (dies with the rewrite)
@@ -302,7 +303,21 @@ def sdpa(node: fx.Node, scatter: fx.Node) -> Attention:
     if causal is not False:
         raise Reject("scaled_dot_product_attention has is_causal set besides the mask", scatter)
     _check_layout(q, k, v, scatter, gqa=gqa)
-    return Attention("sdpa", node, _sdpa_mask(node), q, k, v, _scale(scale, q, scatter))
+    return Attention("sdpa", node, _sdpa_mask(node), q, k, v, _scale(scale, q, scatter),
+                     _compute_dtype(dtype(node), dtype(node), scatter))
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _compute_dtype(qk: torch.dtype | None, pv: torch.dtype | None, scatter: fx.Node) -> torch.dtype:
+    """The dtype the attention's products compute in, as the graph recorded them: q's (and k's and v's), or under
+    ``torch.autocast`` (entered in the compiled region or around it) the autocast dtype, which the op then gets
+    its q, k and v cast to, as autocast casts them for SDPA and for each matmul."""
+    if qk != pv or qk not in _FLOATS:
+        raise Reject(f"the attention computes q.k^T in {qk} and its product with v in {pv} (e.g. an autocast region "
+                     "ends between them): the op computes in one dtype", scatter)
+    return qk
 
 
 def _scale(scale, q: fx.Node, node: fx.Node) -> float:
@@ -379,8 +394,8 @@ def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
     q, k, scale, lnodes = logits
     _check_layout(q, k, v, scatter, gqa=False)
     product = next(n for n in lnodes if op_name(n) == "matmul")
-    return Attention("eager", out, x, q, k, v, scale, logits=lnodes[0], product=product, nodes=tuple(lnodes + nodes),
-                     dropout=how)
+    return Attention("eager", out, x, q, k, v, scale, _compute_dtype(dtype(product), dtype(out), scatter),
+                     logits=lnodes[0], product=product, nodes=tuple(lnodes + nodes), dropout=how)
 
 
 def _find_logits(root: fx.Node, chain: set[fx.Node], scatter: fx.Node):
