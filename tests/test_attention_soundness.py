@@ -258,6 +258,45 @@ def test_autocast_around_the_compiled_region():
 
 
 # ---------------------------------------------------------------------------------------------
+# 6: the output's strides
+
+
+def _read_output(how: str, form: str):
+    def attn(q, k, v, score):
+        idx = score.topk(K, dim=-1).indices
+        index_mask = torch.ones(B, T, S, dtype=torch.bool).scatter(-1, idx, False)[:, None]
+        if form == "sdpa":
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal() & ~index_mask)
+        else:
+            w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+            w = w + torch.where(_causal(), 0.0, MIN).masked_fill(index_mask, MIN)
+            o = torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32), v)
+        if how == "view":
+            return o.view(B * H, T, D)
+        if how == "as_strided":
+            return o.as_strided((B, H * T * D), (H * T * D, 1))
+        if how == "inplace":
+            o[:, :, 0] = 0.0
+            return o.view(B, -1)
+        if how == "hf":  # HF's attention functions: no copy of ours needed
+            return o.transpose(1, 2).contiguous().reshape(B, T, -1)
+        return o
+
+    return attn
+
+
+@pytest.mark.parametrize("form", ["sdpa", "eager"])
+@pytest.mark.parametrize("how", ["plain", "view", "as_strided", "inplace", "hf"])
+def test_output_has_eager_strides(how, form):
+    fn, args = _read_output(how, form), _inputs()
+    out, (site,) = _compile(fn, *args)
+    assert site.decision == "rewritten", site.reason
+    want = fn(*args)
+    assert out.stride() == want.stride()
+    torch.testing.assert_close(out, want, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
 # 8: nodes a pass inserted without example values
 
 
