@@ -297,6 +297,37 @@ def test_output_has_eager_strides(how, form):
 
 
 # ---------------------------------------------------------------------------------------------
+# 7: absorbed MLA with a rope key broadcast over the batch or the positions
+
+
+@pytest.mark.parametrize("rope_shape", [(1, 1, S, 8), (B, 1, 1, 8)], ids=["shared-by-batch", "one-position"])
+def test_mla_rope_key_broadcast(rope_shape):
+    Dc, Dr, Dn, Dv = 16, 8, 16, 12
+    torch.manual_seed(0)
+    kv_b = torch.nn.Linear(Dc, H * (Dn + Dv), bias=False)
+
+    def f(q, c, r, score):
+        kv = kv_b(c).view(B, S, H, Dn + Dv).transpose(1, 2)
+        k_nope, v = torch.split(kv, [Dn, Dv], dim=-1)
+        k = torch.cat((k_nope, r.expand(B, H, S, -1)), dim=-1)
+        idx = score.topk(K, dim=-1).indices
+        index_mask = torch.ones(B, T, S, dtype=torch.bool).scatter(-1, idx, False).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~index_mask, scale=0.2)
+
+    g = torch.Generator().manual_seed(1)
+    q, c, r = (torch.randn(*s, generator=g).requires_grad_() for s in ((B, H, T, Dn + Dr), (B, S, Dc), rope_shape))
+    score = torch.randn(B, T, S, generator=g)
+    torch._dynamo.reset()
+    with report.collect() as reports:
+        got = _grads(torch.compile(f, backend="hyscale", options={"compiler": "eager"}), (q, c, r, score), (q, c, r))
+    (site,) = [x for x in reports if x.kind == "attention"]
+    assert site.decision == "rewritten" and site.layout.startswith("MLA latent"), site.reason
+    want = _grads(f, (q, c, r, score), (q, c, r))
+    for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # 8: nodes a pass inserted without example values
 
 

@@ -138,7 +138,7 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
         key_mask = m if key_mask is None else graph.call_function(torch.logical_and, (key_mask, m))
     offset = masks.emit_sum(graph, plan.offset_terms) if plan.causal else 0
     if latent is not None:
-        qx, kx, vx = _latent_operands(graph, att.q, latent)
+        qx, kx, vx = _latent_operands(graph, att.q, latent, B, S)
     else:
         qx = graph.call_method("transpose", (q if cast is None else graph.call_method("to", (q, cast)), 1, 2))
         kx, vx = (_kv_operand(graph, x, B, shape(q)[0], cast) for x in (att.k, att.v))
@@ -172,8 +172,10 @@ def _weight_heads(graph: fx.Graph, latent: Latent) -> fx.Node:
     return graph.call_method("view", (latent.weight, latent.H, latent.Dn + latent.Dv, latent.Dc))
 
 
-def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr]; kv = [c, r] [B, S, 1, Dc + Dr]; v = kv[..., :Dc]."""
+def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr]; kv = [c, r] [B, S, 1, Dc + Dr]; v = kv[..., :Dc]. The
+    rope key may be shared by the batch or by the positions ([1, 1, S, Dr], [B, 1, 1, Dr]): it is expanded to the
+    latent's [B, S] as the model's expansion over the heads broadcast it."""
     Dn, Dc = latent.Dn, latent.Dc
     qt = graph.call_method("transpose", (q, 1, 2))
     q_nope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(None, Dn))))
@@ -184,6 +186,9 @@ def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent) -> tuple[fx.No
     c = latent.latent
     c = graph.call_method("unsqueeze", (c, 2)) if len(shape(c)) == 3 else graph.call_method("transpose", (c, 1, 2))
     r = graph.call_method("transpose", (latent.rope, 1, 2))
+    rs = shape(latent.rope)
+    if not (same_size(rs[0], shape(q)[0]) and same_size(rs[2], shape(latent.latent)[-2])):
+        r = graph.call_method("expand", (r, B, S, -1, -1))
     kx = graph.call_function(torch.cat, ([c, r], -1))
     vx = graph.call_function(operator.getitem, (kx, (Ellipsis, slice(None, Dc))))
     return qx, kx, vx
