@@ -366,6 +366,26 @@ def test_picks_shared_by_the_batch():
 
 
 # ---------------------------------------------------------------------------------------------
+# 9: non-finite values at keys a query does not pick
+
+
+def test_nonfinite_unpicked_key_differs_by_design():
+    """Eager multiplies the zero weight of a masked key by its NaN value (or its inf key's score) and gets NaN;
+    the sparse op never reads that key (the README's differences by design)."""
+    def f(q, k, v, score):
+        idx = score.topk(2, dim=-1).indices
+        sel = torch.zeros(B, T, S, dtype=torch.bool).scatter(-1, idx, True)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sel)
+
+    q, k, v, score = _inputs()
+    score[..., 0] = -100.0  # key 0 is never picked
+    v[:, :, 0] = float("nan")
+    out, (site,) = _compile(f, q, k, v, score)
+    assert site.decision == "rewritten"
+    assert f(q, k, v, score).isnan().all() and out.isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------
 # 10: what counts as a site
 
 
