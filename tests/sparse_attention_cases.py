@@ -66,6 +66,18 @@ def make(case: Case, dtype=torch.float64, device="cpu", seed=0, index_dtype=torc
     return q, k, v, idx, offset, (mask.to(device) if mask is not None else None)
 
 
+def nonfinite_key0_unkept(case: Case, what: str, dtype=torch.float64, device="cpu"):
+    """``make``'s problem with key 0 kept by no row, though dropped picks (out of range, hidden, masked) remain,
+    and a NaN (``what="v"``) or inf (``"k"``) in key 0's row."""
+    q, k, v, idx, offset, key_mask = make(case, dtype=dtype, device=device)
+    idx = torch.where(idx == 0, -1, idx)
+    if what == "v":
+        v[:, 0] = float("nan")
+    else:
+        k[:, 0] = float("inf")
+    return q, k, v, idx, offset, key_mask
+
+
 def kept_dense(indices: Tensor, S: int, offset, key_mask: Tensor | None) -> Tensor:
     """[B, T, S] bool: key s is picked by (b, t) and visible (the index mask AND the causal / padding mask)."""
     B, T, _ = indices.shape

@@ -354,7 +354,8 @@ class GoldenGraphs(TestCase):
 .transpose(in, 1, 2)
 hyscale.sparse_attention(.transpose, .transpose, .transpose, getitem, 0.353553, True, 4, None, .expand, zero)
 getitem(hyscale.sparse_attention, 0)
-.transpose(getitem, 1, 2)""")
+.transpose(getitem, 1, 2)
+.contiguous(.transpose)""")
 
     def test_eager_mean_rows_in_training(self):
         module, args = da.make("eager", padding=True, requires_grad=True)
@@ -367,7 +368,8 @@ hyscale.sparse_attention(.transpose, .transpose, .transpose, .long, 0.353553, Tr
 getitem(hyscale.sparse_attention, 0)
 getitem(hyscale.sparse_attention, 1)
 hyscale.empty_rows_like_eager(getitem, .transpose, .transpose, .transpose, getitem, 0.353553)
-.transpose(hyscale.empty_rows_like_eager, 1, 2)""")
+.transpose(hyscale.empty_rows_like_eager, 1, 2)
+.contiguous(.transpose)""")
 
     def test_hf_deepseek_v32_absorbed_mla(self):
         model, inputs = _hf_model("deepseek_v32", num_layers=1, padding=True)
@@ -391,7 +393,7 @@ getitem(hyscale.sparse_attention, 0)
 .view(in, 4, 32, 16)
 getitem(.view, [slice(None, None, None), slice(16, None, None)])
 einsum(bthc,hvc->bthv, getitem, getitem)
-.transpose(einsum, 1, 2)""")
+.contiguous(einsum)""")
 
 
 def test_explain_lists_attention_sites():

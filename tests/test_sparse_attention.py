@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from sparse_attention_cases import CASES, Case, dense_attention, finite, kept_dense, make
+from sparse_attention_cases import CASES, Case, dense_attention, finite, kept_dense, make, nonfinite_key0_unkept
 
 import hyscale_compile
 from hyscale_compile.runtime import sparse_attention as sa
@@ -56,6 +56,22 @@ def test_reference_matches_dense(name, empty):
     got = naive.backward(gout, sa.row_delta(gout, out, finite(glse)), q, k, v_leaf, lse, idx, 0.4, picks, empty)
     for a, b in zip(got, want):
         _close(a, b, 1e-10)
+
+
+@pytest.mark.parametrize("what", ["k", "v"])
+def test_dropped_picks_contribute_nothing(what):
+    """A dropped pick is gathered at key 0 and must then count for nothing (its rows replaced by 0, not multiplied
+    by p = 0): a NaN or inf in key 0 reaches no row that does not keep key 0, forward or backward."""
+    case = CASES["key_mask"]
+    q, k, v, idx, offset, key_mask = nonfinite_key0_unkept(case, what)
+    picks = _picks(case.S, offset, key_mask)
+    assert not picks.kept(idx, 0, case.S).all()
+    out, lse = naive.forward(q, k, v, idx, 0.4, picks, "zero")
+    assert out.isfinite().all()
+    gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).double()
+    dq, dk, dv = naive.backward(gout, sa.row_delta(gout, out, None), q, k, v, lse, idx, 0.4, picks, "zero")
+    assert dq.isfinite().all() and dk.isfinite().all() and dv.isfinite().all()
+    assert not dk[:, 0].any() and not dv[:, 0].any()
 
 
 def test_rows_with_few_picks_really_occur():

@@ -16,6 +16,8 @@ through the kept picks; an lse gradient is supported.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -23,6 +25,15 @@ from ..runtime import sparse_attention as runtime
 from ..runtime.sparse_attention import EMPTY_RULES, Picks
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def without_autocast(device: torch.device):
+    """Autocast off for an op's own arithmetic: a custom op's body still runs in the caller's autocast state (an
+    autocast region in the compiled graph, or one around it), which would round the reference's fp32 sums to the
+    autocast dtype. Its inputs are what the caller cast them to; it computes as documented."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _require(cond, msg: str) -> None:
@@ -72,7 +83,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: fl
                      offsets: Tensor | None, key_mask: Tensor | None, empty: str) -> tuple[Tensor, Tensor]:
     check_attention_inputs(q, k, v, indices, offsets, key_mask, empty)
     picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
-    return runtime.attention(q, k, v, indices, scale, picks, empty)
+    with without_autocast(q.device):
+        return runtime.attention(q, k, v, indices, scale, picks, empty)
 
 
 @sparse_attention.register_fake
@@ -88,8 +100,9 @@ def sparse_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tens
                               offsets: Tensor | None, key_mask: Tensor | None, empty: str
                               ) -> tuple[Tensor, Tensor, Tensor]:
     picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
-    delta = runtime.row_delta(grad_out, out, grad_lse)
-    return runtime.attention_backward(grad_out, delta, q, k, v, lse, indices, scale, picks, empty)
+    with without_autocast(q.device):
+        delta = runtime.row_delta(grad_out, out, grad_lse)
+        return runtime.attention_backward(grad_out, delta, q, k, v, lse, indices, scale, picks, empty)
 
 
 @sparse_attention_backward.register_fake

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .attention import without_autocast
+
 # Upper bound on the elements of one chunk's [rows, H, S] score gradients.
 _CHUNK_ELEMS = 1 << 24
 
@@ -41,6 +43,12 @@ def _(out, q, k, v, lse, scale):
 def empty_rows_like_eager_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, scale: float
                                    ) -> tuple[Tensor, Tensor]:
     """(dq, dk): eager's softmax gradient on the empty rows, zero elsewhere (deterministic: no atomics)."""
+    with without_autocast(q.device):
+        return _empty_rows_backward(grad, q, k, v, lse, scale)
+
+
+def _empty_rows_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, scale: float
+                         ) -> tuple[Tensor, Tensor]:
     B, T, H, Dqk = q.shape
     S, G, Dv = k.shape[1], k.shape[2], v.shape[3]
     HG = H // G

@@ -28,7 +28,7 @@ from . import attention_rewrite as rewrite_
 from . import attention_sites as sites_
 from . import debug, inplace
 from .attention_mla import NotLatent, match
-from .graph_ops import _ALIASING, arg, dtype, mutates, op_name, shape, source_line
+from .graph_ops import Aliases, arg, dtype, mutates, op_name, shape, source_line, written_by
 from .index_expr import Reject
 from .report import SiteReport, human_bytes, record, symbolic_bytes
 from .sites import describe
@@ -116,7 +116,7 @@ def find(scatter: fx.Node) -> sites_.Site:
         chain.discard(consumer)
     S = shape(attention.k)[2]
     origin, k = sites_.index_origin(index, S, scatter)
-    site = sites_.Site(scatter, base, index, origin, picked, fill, k, chain, attention)
+    site = sites_.Site(scatter, base, index, origin, picked, fill, k, sites_.shape_of(index), chain, attention)
     _check_chain_writes(site)
     return site
 
@@ -159,56 +159,48 @@ def _functionalize_scatter(graph: fx.Graph, scatter: fx.Node) -> inplace.Undo:
 # legality beyond the mask
 
 
-def _view_base(node):
-    """The tensor ``node`` may share memory with: through views and casts that can return their input."""
-    while isinstance(node, fx.Node) and op_name(node) in _ALIASING and node.args and isinstance(node.args[0], fx.Node):
-        if op_name(node) == "getitem" and not _basic_index(node.args[1]):
-            break
-        node = node.args[0]
-    return node
-
-
-def _basic_index(idx) -> bool:
-    idx = idx if isinstance(idx, tuple) else (idx,)
-    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in idx)
-
-
-def _written(n: fx.Node):
-    out = n.kwargs.get("out")
-    if out is not None:
-        return out
-    return n.args[0] if n.args else None
-
-
 def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan, latent=None) -> None:
-    """The op reads at the attention what the model read earlier: the indices (at the scatter), its key / pick
-    masks (where it built the mask), eager's q and k (at the q.k^T product), the latent, rope key and
-    up-projection (where it expanded them). Nothing in between may write them (or a tensor they may share memory
-    with)."""
+    """Nothing may write in place (any spelling: ``x.mul_``, ``x[i] = v``, ``x += 1``, ``torch._foreach_add_``,
+    ``out=``, a module call) a tensor the pass reads, or one sharing its memory, where that would change what the
+    op computes:
+
+    * what the pass reads by its construction (the q.k^T product, its scale and casts; the mask expression, its
+      constants and the model's masks; the index mask and the indices, whose top-k origin makes them distinct):
+      from where it is made up to the attention, since a write would change the value the pass inferred;
+    * what the op reads as a value at the attention, where the model read it earlier: eager's q and k (read by
+      the q.k^T product), keys and values read under HF's ``repeat_kv`` (read where repeated), the latent, rope key
+      and up-projection (read where expanded): from the model's read up to the attention."""
     graph = site.scatter.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     att = site.attention
-    reads = [(site.index, site.scatter)] + [(t, t) for t in plan.reads()]  # (tensor, where the model read it)
-    if att.kind == "eager":
-        product = next(n for n in att.nodes if op_name(n) == "matmul" and n is not att.node)
-        reads += [(att.q, product), (att.k, product)]
+    reads = [(x, x) for x in (*plan.nodes, site.base, *att.nodes, *_index_chain(site))]
+    for x, at in ((att.q, att.product or att.node), (att.k, att.product or att.node), (att.v, att.node)):
+        peeled, n = sites_.peel_repeat_kv(x)
+        reads.append((peeled, x.args[0].args[0]) if n > 1 else (x, at))
     if latent is not None:
         reads += [(x, min(x.users, key=order.get)) for x in (latent.weight, latent.latent, latent.rope)]
+    aliases = Aliases(graph)
     end = order[att.node]
     for n in graph.nodes:
         if order[n] >= end:
             break
         if not mutates(n) or n in site.chain:
             continue
-        w = _view_base(_written(n)) if n.op != "call_module" else None
+        targets = written_by(n)
         for x, at in reads:
-            if order[n] <= order[at]:
-                continue
-            base = _view_base(x)
-            if n.op == "call_module" or w is base or (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")
-                                                       and base.op in ("placeholder", "get_attr")):
+            if isinstance(x, fx.Node) and order[n] > order[at] and (
+                    targets is None or any(aliases.may_alias(t, x) for t in targets)):
                 raise Reject(f"{describe(n)} at {source_line(n)} may change {x.name} after the model read it and "
                              "before the attention, where the op would read it", site.scatter)
+
+
+def _index_chain(site: sites_.Site) -> list[fx.Node]:
+    """The indices from the selection to the scatter (through casts)."""
+    chain, n = [], site.index
+    while isinstance(n, fx.Node) and n is not site.origin and len(chain) < 32:
+        chain.append(n)
+        n = n.args[0] if n.args else None
+    return chain
 
 
 def _check_gain(site: sites_.Site) -> None:
@@ -222,8 +214,12 @@ def _check_gain(site: sites_.Site) -> None:
 
 
 def _latent(site: sites_.Site):
+    att = site.attention
+    if att.dtype != dtype(att.q):
+        return None, (f"the attention runs under autocast in {att.dtype}, and the absorbed projections would run "
+                      "in another precision than the model's")
     try:
-        return match(site.attention), None
+        return match(att), None
     except NotLatent as err:
         return None, str(err)
 
@@ -239,7 +235,7 @@ def _fmt(s) -> str:
 def _describe(report: SiteReport, site: sites_.Site) -> None:
     att = site.attention
     report.shapes = {"q": _fmt(shape(att.q)), "k": _fmt(shape(att.k)), "v": _fmt(shape(att.v)),
-                     "indices": _fmt(shape(site.index)), "attention": f"{att.kind} at {source_line(att.node)}",
+                     "indices": _fmt(site.index_shape), "attention": f"{att.kind} at {source_line(att.node)}",
                      "selection": source_line(site.origin)}
     mask = shape(site.scatter)
     b = symbolic_bytes(*mask) if mask is not None else None
@@ -264,6 +260,9 @@ def _notes(site: sites_.Site, plan: masks_.MaskPlan, latent, why_not: str | None
             notes.append(f"the dense index mask ({human_bytes(b * dtype(site.scatter).itemsize)}) and its combination "
                          "with the model's mask are no longer built")
     notes.extend(plan.notes)
+    if att.dtype != dtype(att.q):
+        notes.append(f"the attention runs under autocast: q, k and v are cast to {att.dtype} for the op, as autocast "
+                     "casts them for the model's attention")
     if latent is not None:
         Dk = latent.Dn + latent.Dr
         notes.append(f"the key/value up-projection is absorbed into the queries and the output (MLA latent layout): "

@@ -34,16 +34,41 @@ from . import masks, positions
 from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, mask_op, same_shape
 from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Leaf, Reject
+from .legality import requires_grad
 from .report import input_name
 from .sites import describe
 
 DIMS = ("b", "h", "t", "s")  # the attention's [B, H, T, S]
 _MAX_PARTNERS = 4
-# A fill at or below this hides a key exactly: its softmax weight underflows to 0 next to any visible score.
-_HIDES = -1e4
-# ... and at or below this it also absorbs the score it is added to (x + fill == fill, in fp32 and bf16): a row
-# with nothing visible is then a softmax over equal values, a uniform mean.
-_ABSORBS = -1e30
+
+# Which fills hide a key exactly. The op gives a hidden key no weight at all; the model's softmax (in fp32, or on
+# its 16-bit input upcast to fp32) gives it exp(x_h - m) / sum, with m the row's largest logit and x_h the hidden
+# key's: the fill c itself where the mask replaces the score (masked_fill, where), fl(s_h + c) where it is added
+# (``scores + mask``, SDPA's float mask), fl the rounding to the dtype dt the fill is written in (the softmax
+# input, SDPA's mask). exp(y) is exactly 0 in fp32 for y < -103.98 (below half the smallest subnormal, 2^-150),
+# and fp32 subtraction and the rounding to dt are monotone. Let the row have a visible key (an empty row is
+# ``_empty_rule``'s) and its logits s be finite:
+#
+# * c = -inf: x_h = -inf (replaced, or -inf + finite s), exp(-inf - m) = 0 for any finite m. Exact.
+# * c = finfo(dt).min = -M and every |s| <= M / 4 (fp32 and bf16: 8.5e37, fp16: 16376): m >= -M / 4, and
+#   replaced x_h = -M, added x_h = fl(s_h - M) <= fl(-3M / 4) ~ -3M / 4, so x_h - m <= -M / 2 + rounding, far below
+#   -104 (M >= 65504). Exact; past that bound (logits a quarter of the way to overflow) eager's own softmax can
+#   let a hidden key through, as it can for NaN or inf scores (the README's differences by design).
+# * any other finite c (BERT's -1e4, -1e9, -1e30): x_h - m = c - m > -104 as soon as a visible logit is below
+#   c + 104 (-1e4: a logit of -9900), and the hidden key gets weight in eager; such logits are ordinary, so these
+#   are rejected with a reason (use -inf or finfo.min).
+#
+# A row with nothing visible is a softmax over the hidden logits alone: the mean of v over all keys exactly when
+# they are all equal, i.e. when the fill replaced every score or absorbed it: fl(s - M) = -M for |s| < ulp(M) / 2
+# (fp32: 2^103 ~ 1e31, bf16: 2^119 ~ 6.6e35, the bound for such rows; fp16: 16, so an added fp16 finfo.min is not
+# taken to absorb the score).
+_ABSORBING = (torch.float32, torch.bfloat16)
+
+
+def hides(c: torch.Tensor) -> bool:
+    """A fill that hides a key exactly (above): -inf, or finfo(dtype).min of the dtype it is written in."""
+    f = float(c)
+    return f == float("-inf") or (c.dtype.is_floating_point and f == float(torch.finfo(c.dtype).min))
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,7 @@ class MaskPlan:
     eager_empty_grad: bool = False
     causal: bool = False
     offset_terms: tuple = ()
+    nodes: list[fx.Node] = field(default_factory=list)  # the mask expression: what the evaluation read
     key_terms: list[Term] = field(default_factory=list)  # [B, S] (padding)
     pick_terms: list[Term] = field(default_factory=list)  # read at the picks
     kinds: list[str] = field(default_factory=list)
@@ -75,10 +101,6 @@ class MaskPlan:
     @property
     def kind(self) -> str:
         return " + ".join(self.kinds) or "none"
-
-    def reads(self) -> list[fx.Node]:
-        """Tensors the op reads where the model read them earlier (for the mutation check)."""
-        return [t.node for t in self.key_terms + self.pick_terms]
 
 
 def _labels_for(out_labels: tuple, out_shape, x) -> tuple:
@@ -305,8 +327,11 @@ def plan(site: Site) -> MaskPlan:
     table = {}
     for picked, *vs in itertools.product((False, True), repeat=len(partners) + 1):
         env = {t.node: v for t, v in zip(partners, vs)}
-        table[(picked, *vs)] = expr.evaluate(picked, env)
-    out = MaskPlan()
+        v = expr.evaluate(picked, env)
+        if site.attention.kind == "sdpa" and isinstance(v, torch.Tensor):
+            v = v.to(site.attention.dtype)  # SDPA adds its float mask in its dtype (autocast casts the mask too)
+        table[(picked, *vs)] = v
+    out = MaskPlan(nodes=list(expr.labels))
     additive = _check_table(site, table)
     for t in partners:
         if t.node in expr.triangles:
@@ -322,7 +347,7 @@ def plan(site: Site) -> MaskPlan:
 
 
 def _check_scatter_shape(site: Site) -> None:
-    sc, idx = shape(site.scatter), shape(site.index)
+    sc, idx = shape(site.scatter), site.index_shape
     att = site.attention
     sq, sk = shape(att.q), shape(att.k)
     B, T, S = sq[0], sq[2], sk[2]
@@ -351,10 +376,13 @@ def _check_table(site: Site, table: dict) -> bool:
         if visible[key]:
             if float(c) != 0.0 or eager != isinstance(v, Score):
                 raise Reject(_polarity_reason(site, table), site.scatter)
-        elif not float(c) <= _HIDES:
-            raise Reject(_polarity_reason(site, table) if float(c) == 0.0 else
-                         f"the mask hides keys by adding {float(c):g}, which does not hide them exactly (a softmax "
-                         "weight of exp(score - 1e4 ...) is not 0); use -inf or torch.finfo(dtype).min",
+        elif float(c) == 0.0:
+            raise Reject(_polarity_reason(site, table), site.scatter)
+        elif not hides(c):
+            how = "adding" if isinstance(v, Score) or not eager else "filling them with"
+            raise Reject(f"the mask hides keys by {how} {float(c):g}, which does not hide them exactly: the model's "
+                         f"softmax gives a hidden key a weight that is not 0 once logits reach about {abs(float(c)):g} "
+                         f"in size; only -inf and torch.finfo({c.dtype}).min hide a key exactly (use one of them)",
                          site.scatter)
     return True
 
@@ -381,10 +409,9 @@ def _empty_rule(site: Site, table: dict, additive: bool, rows_can_be_empty: bool
     if not additive or not rows_can_be_empty:
         out.empty = "zero"  # SDPA under a boolean mask gives 0 for a row with nothing visible; or no row is empty
         return
-    # (value, whether the score is added to it): SDPA adds its float mask; eager may add or replace
-    hidden = [(float(v.c), True) if isinstance(v, Score) else (float(v), att.kind == "sdpa")
-              for k, v in table.items() if not all(k)]
-    fills = {f for f, _ in hidden}
+    # (fill, whether the score is added to it): SDPA adds its float mask; eager may add or replace
+    hidden = [(v.c, True) if isinstance(v, Score) else (v, att.kind == "sdpa") for k, v in table.items() if not all(k)]
+    fills = {float(c) for c, _ in hidden}
     if fills == {float("-inf")}:
         if att.kind == "sdpa":
             out.empty = "zero"  # SDPA's softmax gives 0 for a row whose keys are all -inf
@@ -392,15 +419,24 @@ def _empty_rule(site: Site, table: dict, additive: bool, rows_can_be_empty: bool
         raise Reject("the eager softmax over a row whose keys are all -inf gives NaN, which the op does not "
                      "reproduce, and rows with no visible pick can occur here; fill with torch.finfo(dtype).min",
                      site.scatter)
-    (fill,) = fills if len(fills) == 1 else (None,)
-    if fill is not None and fill > float("-inf") and all(not added or fill <= _ABSORBS for _, added in hidden):
-        out.empty = "mean"
-        out.eager_empty_grad = any(added for _, added in hidden)
-        out.notes.append(f"hidden keys are filled with {fill:g}: a row with no visible pick gives the mean of v over "
-                         "all keys, as the model's softmax does")
-        return
-    raise Reject(f"hidden keys carry the values {sorted(fills)}: a row with no visible pick would be neither 0 nor "
-                 "a plain mean of v in the model", site.scatter)
+    if len(fills) != 1:
+        raise Reject(f"hidden keys carry the values {sorted(fills)}: a row with no visible pick would be neither 0 "
+                     "nor a plain mean of v in the model", site.scatter)
+    (fill,) = fills
+    added = [a for _, a in hidden]
+    if any(a and c.dtype not in _ABSORBING for c, a in hidden):
+        raise Reject(f"the mask adds {fill:g} ({hidden[0][0].dtype}) to the scores, which does not absorb them: a row "
+                     "with no visible pick is a softmax over unequal values in the model, not the mean of v the op "
+                     "gives; replace the scores (masked_fill) or compute the scores in bfloat16 / float32",
+                     site.scatter)
+    if any(added) and not all(added) and requires_grad(att.node) and any(requires_grad(x) for x in (att.q, att.k)):
+        raise Reject(f"hidden keys get {fill:g} added to the score at some keys and in place of it at others: a row "
+                     "with no visible pick sends gradient to q and k through the added ones only, which the op does "
+                     "not reproduce; fill every hidden key the same way (all added, or all masked_fill)", site.scatter)
+    out.empty = "mean"
+    out.eager_empty_grad = all(added)
+    out.notes.append(f"hidden keys are filled with {fill:g}: a row with no visible pick gives the mean of v over "
+                     "all keys, as the model's softmax does")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ The op takes q [B, T, H, D], k [B, S, G, D], v [B, S, G, Dv] (transposed views o
 tensors; HF's ``repeat_kv`` is read back to its G key heads), the picks [B, T, K] as the model scattered them,
 the causal offset, a [B, S] key mask, and what an empty row gives. A model mask that is no position rule and no
 key mask is read at the picks, and the picks it hides are set to -1 (the op drops them). In the latent MLA
-layout (``attention_mla``) the up-projection is folded into q and applied to the output. The output is put
-back as the model's [B, H, T, Dv]; the dense masks, and what only fed them, are erased.
+layout (``attention_mla``) the up-projection is folded into q and applied to the output. Under autocast q, k and
+v are cast to the dtype the model's attention computes in. The output is put back as the model's [B, H, T, Dv]
+with eager's strides; the dense masks, and what only fed them, are erased.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from torch import fx
 from . import masks
 from .attention_masks import MaskPlan, Term
 from .attention_mla import Latent
-from .attention_sites import Site, peel_repeat_kv
-from .graph_ops import is_one, mutates, op_name, shape
+from .attention_sites import Site, peel_repeat_kv, same_shape
+from .graph_ops import dtype, is_one, mutates, normalize_dim, op_name, same_size, shape, value
+from .index_expr import Reject
 from .legality import requires_grad
 from .rewrite import canonical
 
@@ -40,7 +42,8 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
     existing = set(graph.nodes)
     try:
         with graph.inserting_before(att.node):
-            result = _emit(graph, site, plan, latent)
+            out = _emit(graph, site, plan, latent)
+            result, replaced = _model_layout(graph, att, out)
     except Exception:
         for n in reversed([n for n in graph.nodes if n not in existing]):
             graph.erase_node(n)
@@ -50,22 +53,77 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
                 if key in site.scatter.meta and key not in n.meta:
                     n.meta[key] = site.scatter.meta[key]
-    att.node.replace_all_uses_with(result)
-    dead = [att.node, *att.nodes, *site.chain]
+    if replaced is not None:
+        replaced.replace_all_uses_with(out)
+    else:
+        att.node.replace_all_uses_with(result)
+    dead = [*([replaced] if replaced is not None else []), att.node, *att.nodes, *site.chain]
     if latent is not None:
         dead.append(latent.expanded)
     erase_dead(graph, dead)
 
 
+def _model_layout(graph: fx.Graph, att, out: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+    """The op's contiguous [B, T, H, Dv] output as the model's attention output [B, H, T, Dv], with the strides
+    eager's had (a view, ``as_strided`` or in-place write of it sees the same memory): contiguous for matmul and
+    SDPA on the CPU, a transposed [B, T, H, Dv] for SDPA's flash kernels on CUDA (the example value Dynamo
+    recorded says which). Returns (output, None), or (None, the node to read ``out`` in place of) where the model
+    only reads its output as ``o.transpose(1, 2)`` and then ``.contiguous()`` or a reshape of that (HF's
+    attention functions): ``out`` is that tensor, values and strides, with no copy."""
+    x = att.node
+    while len(x.users) == 1 and _same_shape_view(next(iter(x.users)), x):  # DeepSeek-V3.2: a reshape to [B, H, T, Dv]
+        x = next(iter(x.users))
+    (only,) = x.users if len(x.users) == 1 else (None,)
+    if op_name(only) == "transpose" and only.args[:1] == (x,) and len(only.args) == 3 and \
+            {normalize_dim(d, 4) for d in only.args[1:3] if isinstance(d, int)} == {1, 2} and only.users and \
+            all(_copies_or_reshapes(u, only) for u in only.users):
+        return None, only
+    o = graph.call_method("transpose", (out, 1, 2))
+    layout = _strides_of(att.node)
+    if layout == "bhtd":
+        return graph.call_method("contiguous", (o,)), None
+    if layout == "bthd":
+        return o, None
+    raise Reject(f"the attention output has strides {value(att.node).stride()}, neither contiguous nor a transposed "
+                 "[B, T, H, Dv] (the layouts of the op's output)", att.node)
+
+
+def _same_shape_view(u: fx.Node, x: fx.Node) -> bool:
+    """``x.reshape(...)`` / ``x.view(...)`` to x's own shape: x itself, strides and all."""
+    return op_name(u) == "reshape" and u.args[:1] == (x,) and shape(u) is not None and same_shape(shape(u), shape(x))
+
+
+def _copies_or_reshapes(u: fx.Node, x: fx.Node) -> bool:
+    """``x.contiguous()`` or ``x.reshape(...)`` / ``view`` / ``flatten``: reads x's values, not its strides."""
+    if u.op == "call_method" and u.target == "contiguous":
+        return u.args == (x,) and not u.kwargs
+    return op_name(u) == "reshape" and u.args[:1] == (x,)
+
+
+def _strides_of(node: fx.Node) -> str | None:
+    """"bhtd" (contiguous [B, H, T, Dv]) or "bthd" (a transposed contiguous [B, T, H, Dv]): the layout of the
+    recorded example value, strides of size-1 dims aside; contiguous where none was recorded; None for others."""
+    v = value(node)
+    if not isinstance(v, torch.Tensor) or v.dim() != 4:
+        return "bhtd"
+    B, H, T, D = v.shape
+    for name, want in (("bhtd", (H * T * D, T * D, D, 1)), ("bthd", (T * H * D, D, H * D, 1))):
+        if all(is_one(n) or same_size(a, b) for n, a, b in zip(v.shape, v.stride(), want)):
+            return name
+    return None
+
+
 def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) -> fx.Node:
+    """The op's output, [B, T, H, Dv] contiguous."""
     att = site.attention
     q = att.q
     B, T = _size(graph, q, 0), _size(graph, q, 2)
     S = _size(graph, att.k, 2)
-    idx = site.index
-    if len(shape(idx)) == 2:
-        idx = graph.call_method("unsqueeze", (idx, 0))
-    if is_one(shape(idx)[0]) and not is_one(shape(q)[0]):
+    cast = att.dtype if att.dtype != dtype(q) else None  # autocast: q, k, v as it casts them for the attention
+    idx, index_shape = site.index, site.index_shape
+    if len(index_shape) == 2:  # one set of picks [T, K] for the whole batch
+        idx, index_shape = graph.call_method("unsqueeze", (idx, 0)), (1, *index_shape)
+    if is_one(index_shape[0]) and not is_one(shape(q)[0]):
         idx = graph.call_method("expand", (idx, B, -1, -1))
     if plan.pick_terms:
         seen = None
@@ -80,10 +138,10 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
         key_mask = m if key_mask is None else graph.call_function(torch.logical_and, (key_mask, m))
     offset = masks.emit_sum(graph, plan.offset_terms) if plan.causal else 0
     if latent is not None:
-        qx, kx, vx = _latent_operands(graph, att.q, latent)
+        qx, kx, vx = _latent_operands(graph, att.q, latent, B, S)
     else:
-        qx = graph.call_method("transpose", (q, 1, 2))
-        kx, vx = (_kv_operand(graph, x, B, shape(q)[0]) for x in (att.k, att.v))
+        qx = graph.call_method("transpose", (q if cast is None else graph.call_method("to", (q, cast)), 1, 2))
+        kx, vx = (_kv_operand(graph, x, B, shape(q)[0], cast) for x in (att.k, att.v))
     out = graph.call_function(torch.ops.hyscale.sparse_attention.default, (
         qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
     o = graph.call_function(operator.getitem, (out, 0))
@@ -95,13 +153,17 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
         w_uv = graph.call_function(operator.getitem, (
             _weight_heads(graph, latent), (slice(None), slice(latent.Dn, None))))
         o = graph.call_function(torch.einsum, ("bthc,hvc->bthv", o, w_uv))
-    return graph.call_method("transpose", (o, 1, 2))
+        o = graph.call_method("contiguous", (o,))  # einsum's output strides are its own
+    return o
 
 
-def _kv_operand(graph: fx.Graph, x: fx.Node, B, q_batch) -> fx.Node:
+def _kv_operand(graph: fx.Graph, x: fx.Node, B, q_batch, cast) -> fx.Node:
     """[B, Hk, S, D] (HF's repeat_kv read back to its Hk key heads) as the op's [B, S, G, D]."""
     x, _ = peel_repeat_kv(x)
-    if is_one(shape(x)[0]) and not is_one(q_batch):  # keys shared by the batch: broadcast as SDPA does
+    shared = is_one(shape(x)[0]) and not is_one(q_batch)  # keys shared by the batch: broadcast as SDPA does
+    if cast is not None:
+        x = graph.call_method("to", (x, cast))
+    if shared:
         x = graph.call_method("expand", (x, B, -1, -1, -1))
     return graph.call_method("transpose", (x, 1, 2))
 
@@ -110,8 +172,10 @@ def _weight_heads(graph: fx.Graph, latent: Latent) -> fx.Node:
     return graph.call_method("view", (latent.weight, latent.H, latent.Dn + latent.Dv, latent.Dc))
 
 
-def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr]; kv = [c, r] [B, S, 1, Dc + Dr]; v = kv[..., :Dc]."""
+def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr]; kv = [c, r] [B, S, 1, Dc + Dr]; v = kv[..., :Dc]. The
+    rope key may be shared by the batch or by the positions ([1, 1, S, Dr], [B, 1, 1, Dr]): it is expanded to the
+    latent's [B, S] as the model's expansion over the heads broadcast it."""
     Dn, Dc = latent.Dn, latent.Dc
     qt = graph.call_method("transpose", (q, 1, 2))
     q_nope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(None, Dn))))
@@ -122,6 +186,9 @@ def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent) -> tuple[fx.No
     c = latent.latent
     c = graph.call_method("unsqueeze", (c, 2)) if len(shape(c)) == 3 else graph.call_method("transpose", (c, 1, 2))
     r = graph.call_method("transpose", (latent.rope, 1, 2))
+    rs = shape(latent.rope)
+    if not (same_size(rs[0], shape(q)[0]) and same_size(rs[2], shape(latent.latent)[-2])):
+        r = graph.call_method("expand", (r, B, S, -1, -1))
     kx = graph.call_function(torch.cat, ([c, r], -1))
     vx = graph.call_function(operator.getitem, (kx, (Ellipsis, slice(None, Dc))))
     return qx, kx, vx

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
+from .graph_ops import arg, dtype, infer_value, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Reject
 from .report import input_name
 from .sites import describe
@@ -84,7 +84,9 @@ class Attention:
     k: fx.Node
     v: fx.Node
     scale: float
+    dtype: torch.dtype  # what its products compute in: q's dtype, or autocast's (then q, k, v are cast to it)
     logits: fx.Node | None = None  # eager: the scaled q.k^T, [B, H, T, S]
+    product: fx.Node | None = None  # eager: the q.k^T matmul, where the model reads q and k
     nodes: tuple[fx.Node, ...] = ()  # eager: the computation from q.k^T to the output (dies with the rewrite)
     dropout: str = "none"  # how dropout was found to be the identity ("p=0", "eval"), for the report
 
@@ -98,6 +100,7 @@ class Site:
     picked: object  # the number written at the picks
     fill: object  # the number everywhere else
     k: object  # picks per row: int or SymInt
+    index_shape: tuple = ()  # the indices' shape (also where a pass inserted the node without recording it)
     chain: set[fx.Node] = field(default_factory=set)  # mask nodes, scatter to attention (both included)
     attention: Attention | None = None
 
@@ -126,18 +129,42 @@ def is_index_scatter(node: fx.Node) -> bool:
 
 
 def consumer(node: fx.Node, limit: int = 32) -> fx.Node | None:
-    """The first attention (SDPA call or softmax) the scatter's value reaches through mask operations."""
+    """The first attention (an SDPA call reading it as its mask, or the softmax of an eager attention) the
+    scatter's value reaches through mask operations."""
     todo, seen = deque([node]), {node}
     while todo and len(seen) < limit:
         n = todo.popleft()
         for u in n.users:
             name, _ = mask_op(u)
-            if name == "sdpa" and _sdpa_mask(u) is n or name == "softmax":
+            if name == "sdpa" and _sdpa_mask(u) is n or name == "softmax" and is_eager_attention(u):
                 return u
             if name in MASK_OPS and u not in seen:
                 seen.add(u)
                 todo.append(u)
     return None
+
+
+def is_eager_attention(softmax: fx.Node, limit: int = 32) -> bool:
+    """Is this softmax the weights of an attention: over scores built from a q.k^T product (through scales, casts
+    and mask arithmetic), and multiplied with v (through casts and dropout)? A softmax over a router's or a
+    classifier's logits is not, and neither is a mask that only feeds one."""
+    n = softmax
+    while not any(op_name(u) == "matmul" and u.args[:1] == (n,) for u in n.users):
+        nxt = [u for u in n.users if op_name(u) in ("to", "float", "identity", "dropout") and u.args[:1] == (n,)]
+        if len(nxt) != 1:
+            return False
+        n = nxt[0]
+    todo, seen = [arg(softmax, 0, "input")], set()
+    while todo and len(seen) < limit:
+        x = todo.pop()
+        if not isinstance(x, fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        if parse_logits(x) is not None:
+            return True
+        if mask_op(x)[0] in MASK_OPS:
+            todo.extend(x.all_input_nodes)
+    return False
 
 
 def reaches_attention(node: fx.Node) -> bool:
@@ -164,8 +191,8 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
     op can read them as a set. Anything else could repeat an index (the dense mask counts it once, a sparse
     sum twice) or leave the range."""
     n = index
-    while op_name(n) in ("to", "identity") and dtype(n) in _INDEX_DTYPES and (
-            shape_of(n.args[0]) is None or same_shape(shape_of(n.args[0]), shape(n))):
+    while op_name(n) in ("to", "identity") and getattr(infer_value(n), "dtype", None) in _INDEX_DTYPES and (
+            shape_of(n.args[0]) is None or same_shape(shape_of(n.args[0]), shape_of(n))):
         n = n.args[0]
     why = ("its indices are not a top-k's (a topk, sort or hyscale.select output, through int casts), so they may "
            "repeat within a row or leave [0, S): a repeated key counts once in the dense mask but twice in a sparse "
@@ -176,7 +203,7 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
             kx = sel.kwargs.get("kx", sel.args[1] if len(sel.args) > 1 else None)
             kx_shape = shape_of(kx)
             _check_range(kx_shape[1] if kx_shape else None, S, site_node)
-            return sel, shape(index)[-1]
+            return sel, _picks_per_row(index, site_node)
         if op_name(sel) == "topk":
             src = arg(sel, 0, "input")
             dim = arg(sel, 2, "dim", -1)
@@ -185,7 +212,7 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
                 raise Reject(f"the mask is scattered from top-k indices taken along another dim than the last; {why}",
                              site_node)
             _check_range(shape(src)[-1], S, site_node)
-            return sel, shape(index)[-1]
+            return sel, _picks_per_row(index, site_node)
     if op_name(n) == "getitem" and _is_leading_slice(n):
         src = n.args[0]
         inner = src.args[0] if op_name(src) == "getitem" and src.args[1] == 1 else src
@@ -194,37 +221,22 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
             dim = arg(inner, 1, "dim", -1)
             if isinstance(dim, int) and shape(x) is not None and normalize_dim(dim, len(shape(x))) == len(shape(x)) - 1:
                 _check_range(shape(x)[-1], S, site_node)
-                return inner, shape(index)[-1]
+                return inner, _picks_per_row(index, site_node)
     what = f"the graph input `{input_name(n)}`" if isinstance(n, fx.Node) and n.op == "placeholder" else describe(n)
     raise Reject(f"the index mask is scattered from {what}: {why}", site_node)
 
 
+def _picks_per_row(index: fx.Node, site_node: fx.Node):
+    s = shape_of(index)
+    if not s:
+        raise Reject("the shape of the scattered indices is unknown", site_node)
+    return s[-1]
+
+
 def shape_of(node) -> tuple | None:
-    """The shape of a node, also of the views and casts a pass inserted without recording example values."""
-    s = shape(node)
-    if s is not None or not isinstance(node, fx.Node) or not node.args:
-        return s
-    name = op_name(node)
-    src = shape_of(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-    if src is None:
-        return None
-    if name in ("to", "float", "identity", "detach"):
-        return src
-    if name == "permute":
-        perm = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-        return tuple(src[normalize_dim(d, len(src))] for d in perm)
-    if name == "transpose":
-        a, b = (normalize_dim(d, len(src)) for d in node.args[1:3])
-        out = list(src)
-        out[a], out[b] = out[b], out[a]
-        return tuple(out)
-    if name == "unsqueeze":
-        d = normalize_dim(node.args[1], len(src) + 1)
-        return src[:d] + (1,) + src[d:]
-    if name == "squeeze" and len(node.args) == 2:
-        d = normalize_dim(node.args[1], len(src))
-        return src[:d] + src[d + 1:] if is_one(src[d]) else src
-    return None
+    """The shape of a node, also of one a pass inserted without recording its example value."""
+    v = infer_value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _is_leading_slice(node: fx.Node) -> bool:
@@ -291,7 +303,21 @@ def sdpa(node: fx.Node, scatter: fx.Node) -> Attention:
     if causal is not False:
         raise Reject("scaled_dot_product_attention has is_causal set besides the mask", scatter)
     _check_layout(q, k, v, scatter, gqa=gqa)
-    return Attention("sdpa", node, _sdpa_mask(node), q, k, v, _scale(scale, q, scatter))
+    return Attention("sdpa", node, _sdpa_mask(node), q, k, v, _scale(scale, q, scatter),
+                     _compute_dtype(dtype(node), dtype(node), scatter))
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _compute_dtype(qk: torch.dtype | None, pv: torch.dtype | None, scatter: fx.Node) -> torch.dtype:
+    """The dtype the attention's products compute in, as the graph recorded them: q's (and k's and v's), or under
+    ``torch.autocast`` (entered in the compiled region or around it) the autocast dtype, which the op then gets
+    its q, k and v cast to, as autocast casts them for SDPA and for each matmul."""
+    if qk != pv or qk not in _FLOATS:
+        raise Reject(f"the attention computes q.k^T in {qk} and its product with v in {pv} (e.g. an autocast region "
+                     "ends between them): the op computes in one dtype", scatter)
+    return qk
 
 
 def _scale(scale, q: fx.Node, node: fx.Node) -> float:
@@ -367,7 +393,9 @@ def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
     logits = _find_logits(x, chain, scatter)
     q, k, scale, lnodes = logits
     _check_layout(q, k, v, scatter, gqa=False)
-    return Attention("eager", out, x, q, k, v, scale, logits=lnodes[0], nodes=tuple(lnodes + nodes), dropout=how)
+    product = next(n for n in lnodes if op_name(n) == "matmul")
+    return Attention("eager", out, x, q, k, v, scale, _compute_dtype(dtype(product), dtype(out), scatter),
+                     logits=lnodes[0], product=product, nodes=tuple(lnodes + nodes), dropout=how)
 
 
 def _find_logits(root: fx.Node, chain: set[fx.Node], scatter: fx.Node):

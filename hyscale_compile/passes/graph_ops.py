@@ -170,6 +170,41 @@ def value(node: Any) -> Any:
     return node
 
 
+def infer_value(node: Any, depth: int = 0) -> Any:
+    """The example value of a node, also of one a pass inserted without recording it (the selection's outputs
+    and the views that put them in the model's layout): computed from its inputs' values on the graph's fake
+    tensors, or None where that is not possible. Nothing is recorded on the node."""
+    v = value(node)
+    if v is not None or not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or \
+            depth > 16:
+        return v
+    missing = []
+
+    def val(a):
+        out = infer_value(a, depth + 1)
+        if out is None:
+            missing.append(a)
+        return out
+
+    args, kwargs = fx.node.map_arg(node.args, val), fx.node.map_arg(node.kwargs, val)
+    if missing:
+        return None
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    modes = {id(x.fake_mode): x.fake_mode for x in tree_leaves((args, kwargs)) if isinstance(x, FakeTensor)}
+    if len(modes) != 1:  # no fake tensor (or several modes): nothing to run the op on
+        return None
+    (mode,) = modes.values()
+    try:
+        with mode:
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+    except Exception:  # an op the fake tensors cannot run: the value stays unknown
+        return None
+
+
 def shape(node: Any) -> tuple | None:
     v = value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
@@ -248,6 +283,23 @@ _ALIASING = {"transpose", "permute", "unsqueeze", "squeeze", "reshape", "getitem
              "float", "to"}
 
 
+def written_by(n: fx.Node) -> list[fx.Node] | None:
+    """The tensors a call that ``mutates`` writes in place: ``out=``, the first argument (``x.mul_``, ``x[i] = v``,
+    ``x += 1``, ``relu(x, inplace=True)``), every tensor of a first-argument list (``torch._foreach_mul_([x, y],
+    c)``), every tensor argument of a mutable op overload; None when it could write anything (a module call)."""
+    if n.op == "call_module":
+        return None
+    out = n.kwargs.get("out")
+    if out is not None:
+        return [x for x in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(x, fx.Node)]
+    if isinstance(n.target, torch._ops.OpOverload):
+        return list(n.all_input_nodes)
+    first = n.args[0] if n.args else next(iter(n.kwargs.values()), None)
+    if isinstance(first, (list, tuple)):
+        return [x for x in first if isinstance(x, fx.Node)]
+    return [first] if isinstance(first, fx.Node) else None
+
+
 def written_in_place(node: fx.Node) -> bool:
     """Is ``node``'s tensor (or a view of it) written in place anywhere in the graph? Then reading its value
     from its producer (an ``arange``, a ``triu`` of ``ones``, a constant) would miss the write."""
@@ -258,17 +310,72 @@ def written_in_place(node: fx.Node) -> bool:
             continue
         seen.add(x)
         for u in x.users:
-            if mutates(u) and (u.args[:1] == (x,) or (u.op == "call_function" and _lists_first(u, x))):
-                return True
+            if mutates(u):
+                targets = written_by(u)
+                if targets is None or x in targets:
+                    return True
             if op_name(u) in _ALIASING and u.args[:1] == (x,):
                 todo.append(u)
     return False
 
 
-def _lists_first(u: fx.Node, x: fx.Node) -> bool:
-    """``torch._foreach_mul_([x, ...], c)``: x is written through the list it is in."""
-    first = u.args[0] if u.args else None
-    return isinstance(first, (list, tuple)) and x in first
+def view_base(node):
+    """The tensor ``node`` may share memory with, through the views and casts (that can return their input) the
+    passes know by name."""
+    while isinstance(node, fx.Node) and op_name(node) in _ALIASING and node.args and isinstance(node.args[0], fx.Node):
+        if op_name(node) == "getitem" and not _basic_index(node.args[1]):
+            break
+        node = node.args[0]
+    return node
+
+
+def _basic_index(idx) -> bool:
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in idx)
+
+
+def _storage(node):
+    """The storage of a node's example value (views share their base's: Dynamo computes them on fake tensors), or
+    None where the graph recorded no tensor."""
+    v = value(node) if isinstance(node, fx.Node) else None
+    if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
+        return None
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        return StorageWeakRef(v.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class Aliases:
+    """Which tensors of a graph may share memory: those whose example values share a storage (any view, by any
+    spelling, and casts or ``contiguous()`` that return their input), and any two that live in the graph's
+    inputs or attributes (the caller may pass views of one tensor). Nodes a pass inserted have no example value:
+    they are compared by the views the passes know by name."""
+
+    def __init__(self, graph: fx.Graph):
+        self._inputs = {s for n in graph.nodes if n.op in ("placeholder", "get_attr")
+                        for s in (_storage(n),) if s is not None}
+
+    def _from_input(self, node) -> bool:
+        s = _storage(node)
+        if s is not None:
+            return s in self._inputs
+        base = view_base(node)
+        return isinstance(base, fx.Node) and base.op in ("placeholder", "get_attr")
+
+    def may_alias(self, a, b) -> bool:
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+            return False
+        if a is b:
+            return True
+        sa, sb = _storage(a), _storage(b)
+        if sa is not None and sb is not None and sa == sb:
+            return True
+        if (sa is None or sb is None) and view_base(a) is view_base(b):
+            return True
+        return self._from_input(a) and self._from_input(b)
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sparse_attention_cases import CASES, Case, finite, make
+from sparse_attention_cases import CASES, Case, finite, make, nonfinite_key0_unkept
 
 import hyscale_compile
 from hyscale_compile.runtime import dispatch
@@ -57,6 +57,19 @@ def test_triton_matches_reference(name, empty):
     _close(got, want, 2e-5)
     if name in ("causal_few", "mla"):
         _same(got, _run("triton", q, k, v, idx, picks, dout, empty))  # the same bits, run after run
+
+
+@pytest.mark.parametrize("what", ["k", "v"])
+def test_dropped_picks_contribute_nothing(what):
+    """Dropped picks load nothing (masked loads, ds 0 outright): a NaN or inf in a key no row keeps reaches no
+    output, as in the reference."""
+    q, k, v, idx, offset, key_mask = nonfinite_key0_unkept(CASES["key_mask"], what, dtype=torch.float32,
+                                                           device=DEVICE)
+    picks = _picks(offset, key_mask)
+    dout = torch.randn(q.shape[:3] + (CASES["key_mask"].Dv,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = _run("triton", q, k, v, idx, picks, dout)
+    assert all(t.isfinite().all() for i, t in enumerate(got) if i != 1)  # lse is -inf for empty rows
+    _close(got, _run("naive", q, k, v, idx, picks, dout), 2e-5)
 
 
 def test_alias_detected_and_same_bits_as_a_copy():

@@ -14,7 +14,8 @@ buffer, each at the pick's place in the stable order of the picks by key (the CS
 keys gives). Segment kernel: each key that a chunk picks adds its contiguous run of contributions in that
 fixed order (and the head blocks in order) to an fp32 accumulator, once per chunk, chunks in order. No
 float atomics: the same inputs give the same bits, run after run. Dropped picks (out of range, not
-visible) write nothing and sort after every key.
+visible) load nothing (masked loads: their rows are 0, never multiplied by p = 0), write nothing and sort after
+every key.
 
 Extra memory: the contribution buffer, at most CONTRIB_BYTES (query rows go in chunks under it; a per-pick
 buffer for all rows would be T * K * (Dqk + Dv) * 4 bytes, 1.2 TB for the MLA layer at T = 65536,
@@ -132,7 +133,9 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
         else:
             vt = load_rows(v_base, ids, ok, sv_s, cv, Dv)
         dp = mm(do, tl.trans(vt), PREC)
-        ds = (p * (dp - delta[:, None])).to(ka.dtype)  # 16-bit operands: ds in their dtype, as flash-attention
+        # dropped picks (their rows loaded as 0) get ds = 0 outright, not p = 0 times a dp or delta that a
+        # non-finite dout may make NaN; 16-bit operands: ds in their dtype, as flash-attention
+        ds = tl.where(ok[None, :] & hmask[:, None], p * (dp - delta[:, None]), 0.0).to(ka.dtype)
         if DO_DQ:
             dqa += mm(ds, ka, PREC)
             if BDB > 0:

@@ -8,7 +8,8 @@ dimension of O += p v: the loop walks the row's picks BK at a time with an onlin
 latent layout (G = 1, H = 128, Dqk = 576, v = k[..., :512]) a row of 576 values is read once per block
 of 64 heads, the A block (``common.split``) doubling as the value row, and the work is compute-bound.
 Two programs share a query row there (HEAD_BLOCK = 64: the fp32 accumulator O [64, 512] is 128 registers
-a thread over 8 warps). Dropped picks (out of range, not visible) load nothing and count -inf.
+a thread over 8 warps). Dropped picks (out of range, not visible) load nothing (masked loads: their k and v rows
+are 0, so a NaN or inf elsewhere never meets p = 0) and count -inf.
 
 Every program writes its own outputs once: deterministic.
 """

@@ -95,15 +95,18 @@ def _gather(x: Tensor, idx: Tensor) -> Tensor:
 def _block(q, k, v, indices, scale, picks: Picks, lse, t0, t1):
     """Shared by forward and backward: gathered rows and scores of query rows t0:t1, grouped by kv group.
 
-    Returns (qg [B, R, G, HG, Dqk], kg, vg [B, R, K, G, D], kept [B, R, K], scores [B, R, G, HG, K] with
-    dropped picks at -inf, p = exp(scores - lse) or None when lse is not given)."""
+    Returns (qg [B, R, G, HG, Dqk], kg, vg [B, R, K, G, D] with dropped picks' rows 0, kept [B, R, K], scores
+    [B, R, G, HG, K] with dropped picks at -inf, p = exp(scores - lse) or None when lse is not given). A dropped
+    pick reads key 0 (an index in range) and its rows are then replaced by zeros, not multiplied by p = 0: a NaN
+    or inf in key 0 must not reach rows that never picked it."""
     B, _, H, Dqk = q.shape
     S, G = k.shape[1], k.shape[2]
     ct = compute_dtype(q)
     idx = indices[:, t0:t1].long()
     kept = picks.kept(idx, t0, S)
     safe = torch.where(kept, idx, 0)
-    kg, vg = _gather(k, safe).to(ct), _gather(v, safe).to(ct)
+    rows = kept[:, :, :, None, None]
+    kg, vg = (torch.where(rows, _gather(x, safe).to(ct), 0.0) for x in (k, v))
     qg = q[:, t0:t1].to(ct).view(B, t1 - t0, G, H // G, Dqk)
     s = torch.einsum("brghd,brkgd->brghk", qg, kg) * scale
     s = s.masked_fill(~kept[:, :, None, None, :], float("-inf"))
@@ -157,12 +160,15 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
         qg, kg, vg, kept, _, p = _block(q, k, v, indices, scale, picks, lse, t0, t1)
         dog = dout[:, t0:t1].to(ct).view(B, R, G, H // G, Dv)
         dp = torch.einsum("brghd,brkgd->brghk", dog, vg)
-        ds = p * (dp - delta[:, t0:t1].to(ct).view(B, R, G, H // G, 1))
+        ds = torch.where(kept[:, :, None, None, :], p * (dp - delta[:, t0:t1].to(ct).view(B, R, G, H // G, 1)), 0.0)
         dq[:, t0:t1] = (torch.einsum("brghk,brkgd->brghd", ds, kg) * scale).reshape(B, R, H, Dqk)
         flat = (torch.where(kept, indices[:, t0:t1].long(), 0)
                 + torch.arange(B, device=q.device).view(-1, 1, 1) * S).reshape(-1)
-        dk.index_add_(0, flat, (torch.einsum("brghk,brghd->brkgd", ds, qg) * scale).reshape(-1, G, Dqk))
-        dv.index_add_(0, flat, torch.einsum("brghk,brghd->brkgd", p, dog).reshape(-1, G, Dv))
+        rows = kept[:, :, :, None, None]  # a dropped pick adds nothing to key 0 (0 * an inf query is NaN)
+        dk_c = torch.where(rows, torch.einsum("brghk,brghd->brkgd", ds, qg) * scale, 0.0)
+        dv_c = torch.where(rows, torch.einsum("brghk,brghd->brkgd", p, dog), 0.0)
+        dk.index_add_(0, flat, dk_c.reshape(-1, G, Dqk))
+        dv.index_add_(0, flat, dv_c.reshape(-1, G, Dv))
     dv = dv.view(B, S, G, Dv)
     if empty == "mean":
         add_mean_grad(dv, dout, lse)
