@@ -11,7 +11,9 @@ own loss. Modes:
     hyscale_select   torch.compile(backend="hyscale", options={"attention": False}): the selection without the
                      score table, dense attention under the index mask
     hyscale          torch.compile(backend="hyscale"): the selection, and sparse attention over the k picks in
-                     the absorbed MLA layout (the per-head K and V are never built)
+                     the absorbed MLA layout (the per-head K and V are never built) where the pass estimates it
+                     faster than the model's dense attention (else as hyscale_select)
+    hyscale_sparse   options={"attention": "always"}: sparse attention at every provable site, faster or not
 
 Per row: T, H, k, ms per step of each mode, peak bytes of each mode, the loss (equal across modes up to bf16
 rounding) and the hyscale counters. A mode that runs out of memory is recorded as "OOM at N GiB". The inputs
@@ -41,9 +43,9 @@ import hyscale_compile  # noqa: E402, F401  (registers backend="hyscale" where n
 
 CONTEXTS = [16384, 32768, 65536]
 HEADS = [128, 16]
-MODES = ["hyscale", "hyscale_select", "inductor", "eager"]  # most telling first when time is short
+MODES = ["hyscale", "hyscale_sparse", "hyscale_select", "inductor", "eager"]  # most telling first when time is short
 MODE_KEYS = {"eager": "eager_ms", "inductor": "inductor_ms", "hyscale_select": "hyscale_select_only_ms",
-             "hyscale": "hyscale_ms"}
+             "hyscale": "hyscale_ms", "hyscale_sparse": "hyscale_sparse_ms"}
 
 LAYER = dict(hidden_size=7168, intermediate_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
              qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=2048,
@@ -73,7 +75,7 @@ def make_fn(mode: str, model, smoke: bool):
         return model
     if mode == "inductor":  # the smoke run checks the harness, not Inductor's CPU code generation
         return torch.compile(model, backend="aot_eager" if smoke else "inductor")
-    options = {"attention": mode == "hyscale"}
+    options = {"attention": {"hyscale": True, "hyscale_sparse": "always"}.get(mode, False)}
     if smoke:
         options["compiler"] = "aot_eager"
     return torch.compile(model, backend="hyscale", options=options)

@@ -33,7 +33,8 @@ class HyscaleOptions:
     mode:      Inductor's mode ("max-autotune", ...), for when other options are given too (torch.compile
                refuses ``mode=`` together with ``options=``).
     attention: run the attention pass after the selection pass (dense attention under a scattered top-k mask
-               becomes hyscale.sparse_attention); False keeps the model's dense attention.
+               becomes hyscale.sparse_attention where that is estimated faster); "always": at every provable
+               site, faster or not; False keeps the model's dense attention.
     """
 
     debug_dir: str | None = None
@@ -41,7 +42,7 @@ class HyscaleOptions:
     replay: bool = True
     compiler: str = "inductor"
     mode: str | None = None
-    attention: bool = True
+    attention: bool | str = True
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None, mode: str | None = None
@@ -63,6 +64,8 @@ class HyscaleOptions:
         if isinstance(ours.get("debug_dir"), os.PathLike):
             ours["debug_dir"] = os.fspath(ours["debug_dir"])
         opts = cls(**ours)
+        if isinstance(opts.attention, str) and opts.attention != "always":
+            raise ValueError(f"hyscale: options['attention'] must be True, False or 'always', got {opts.attention!r}")
         if opts.compiler not in COMPILERS:
             raise ValueError(f"hyscale: options['compiler'] must be one of {', '.join(map(repr, COMPILERS))}, "
                              f"got {opts.compiler!r}")
@@ -76,9 +79,9 @@ class HyscaleOptions:
         return opts, _inductor_options(options)
 
 
-_TYPES = {"debug_dir": (str, os.PathLike, type(None)), "rewrite": bool, "attention": bool, "replay": bool,
+_TYPES = {"debug_dir": (str, os.PathLike, type(None)), "rewrite": bool, "attention": (bool, str), "replay": bool,
           "compiler": str, "mode": (str, type(None))}
-_EXPECTED = {"debug_dir": "a path (str) or None", "rewrite": "True or False", "attention": "True or False",
+_EXPECTED = {"debug_dir": "a path (str) or None", "rewrite": "True or False", "attention": "True, False or 'always'",
              "replay": "True or False", "compiler": "a str", "mode": "a str or None"}
 
 
@@ -169,7 +172,7 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
     if opts.rewrite:
         reports = selection.run(gm, debug_dir=opts.debug_dir)
         if opts.attention:
-            sites = attention.run(gm, debug_dir=opts.debug_dir)
+            sites = attention.run(gm, debug_dir=opts.debug_dir, always=True if opts.attention == "always" else None)
             attention.amend_selection_reports(reports, sites)
             reports += sites
         else:

@@ -3,6 +3,9 @@ import sys
 
 # An internal error in a pass must fail the test instead of silently leaving a site alone.
 os.environ.setdefault("HYSCALE_STRICT", "1")
+# The attention pass's models here are tiny, where the sparse op never pays: check the rewrite at every provable
+# site (tests/test_attention_cost.py checks the default, estimated decision).
+os.environ.setdefault("HYSCALE_ATTENTION", "always")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402

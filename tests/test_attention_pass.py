@@ -443,8 +443,10 @@ def test_attention_option():
     module, args = da.make("sdpa_bool")
     torch.compile(module, backend="hyscale", options={"compiler": "eager", "attention": False})(*args)
     assert "attention_sites" not in counters["hyscale"]
-    with pytest.raises(TypeError, match=r"options\['attention'\] must be True or False, got 'no'"):
+    with pytest.raises(ValueError, match=r"options\['attention'\] must be True, False or 'always', got 'no'"):
         HyscaleOptions.parse({"attention": "no"})
+    with pytest.raises(TypeError, match=r"options\['attention'\] must be True, False or 'always', got 1 \(int\)"):
+        HyscaleOptions.parse({"attention": 1})
 
 
 def test_debug_dir_dumps_the_attention_pass(tmp_path):

@@ -23,12 +23,13 @@ import os
 import torch
 from torch import fx
 
+from . import attention_cost as cost_
 from . import attention_masks as masks_
 from . import attention_rewrite as rewrite_
 from . import attention_sites as sites_
 from . import debug, inplace
 from .attention_mla import NotLatent, match
-from .graph_ops import Aliases, arg, dtype, mutates, op_name, shape, source_line, written_by
+from .graph_ops import Aliases, arg, dtype, mutates, op_name, shape, source_line, value, written_by
 from .index_expr import Reject
 from .report import SiteReport, human_bytes, record, symbolic_bytes
 from .sites import describe
@@ -44,8 +45,11 @@ def _graph_modules(gm: fx.GraphModule):
             yield (name or "graph"), mod
 
 
-def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
-    """Rewrite every provable attention site of ``gm`` and its subgraphs; one report per site."""
+def run(gm: fx.GraphModule, debug_dir: str | None = None, always: bool | None = None) -> list[SiteReport]:
+    """Rewrite every provable attention site of ``gm`` and its subgraphs where the op is estimated faster than
+    the model's attention (``attention_cost``), or every provable one with ``always`` (None: the default,
+    ``HYSCALE_ATTENTION``); one report per site."""
+    always = cost_.always() if always is None else always
     reports: list[SiteReport] = []
     dumping = bool(debug_dir) or debug.tracing()
     for name, sub in list(_graph_modules(gm)):
@@ -53,7 +57,7 @@ def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
         found = sites_.candidates(sub.graph)
         for node in found:
             if node.graph is sub.graph and node in sub.graph.nodes:
-                reports.append(_run_site(sub, name, node))
+                reports.append(_run_site(sub, name, node, always))
         if any(r.decision == "rewritten" and r.graph == name for r in reports):
             sub.graph.lint()
             sub.recompile()
@@ -62,7 +66,7 @@ def run(gm: fx.GraphModule, debug_dir: str | None = None) -> list[SiteReport]:
     return reports
 
 
-def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node) -> SiteReport:
+def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: bool = False) -> SiteReport:
     report = SiteReport(graph=graph_name, node=scatter.name, source=source_line(scatter), decision="rejected",
                         reason="", kind="attention")
     undo = _functionalize_scatter(gm.graph, scatter)
@@ -78,7 +82,9 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node) -> SiteRepo
         _check_gain(site)
         latent, why_not = _latent(site)
         check_no_mutation_between(site, plan, latent)
+        estimate = _check_pays(site, latent, always)
         layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
+        notes.append(estimate)
         rewrite_.rewrite(gm, site, plan, latent)
         report.decision, report.layout, report.reason = "rewritten", layout, "; ".join(notes)
     except Exception as err:  # a Reject, or a bug of ours, which must never break the user's compile
@@ -211,6 +217,47 @@ def _check_gain(site: sites_.Site) -> None:
         raise Reject(f"nothing to gain: k={k} picks per query of S={S} keys select every key, and dense attention "
                      "reads each key once where a sparse one gathers them per query; attention is left dense",
                      site.scatter)
+
+
+def cost_shape(site: sites_.Site, latent) -> cost_.Shape | None:
+    """The site's sizes for the estimate (None when one is symbolic with no traced size)."""
+    att = site.attention
+    q, k, v = shape(att.q), shape(att.k), shape(att.v)
+    if q is None or k is None or v is None:
+        return None
+    B, H, T, Dqk = (cost_.size_hint(x) for x in q)
+    S, Dv, K = cost_.size_hint(k[2]), cost_.size_hint(v[3]), cost_.size_hint(site.k)
+    if None in (B, H, T, Dqk, S, Dv, K):
+        return None
+    training = any(getattr(value(x), "requires_grad", True) for x in (att.q, att.k, att.v))
+    common = dict(B=B, T=T, S=S, H=H, k=K, itemsize=att.dtype.itemsize, training=training, eager=att.kind == "eager",
+                  dense_Dqk=Dqk, dense_Dv=Dv)
+    if latent is not None:
+        return cost_.Shape(**common, G=1, Dqk=latent.Dc + latent.Dr, Dv=latent.Dc, aliased=True)
+    _, n = sites_.peel_repeat_kv(att.k)
+    G = cost_.size_hint(k[1]) if n == 1 else H // n
+    if G is None:
+        return None
+    return cost_.Shape(**common, G=G, Dqk=Dqk, Dv=Dv, aliased=False)
+
+
+def _check_pays(site: sites_.Site, latent, always: bool) -> str:
+    """Leave the attention dense where the op is estimated slower than the model's (``attention_cost``); the
+    estimate in words for the report."""
+    s = cost_shape(site, latent)
+    if s is None:
+        if always:
+            return "no estimate (a size is symbolic and was not traced): rewritten as options['attention'] is 'always'"
+        raise Reject("the sizes are symbolic with no traced value, so whether the sparse op is faster than the "
+                     "model's dense attention cannot be estimated; options['attention'] = 'always' rewrites it "
+                     "anyway", site.scatter)
+    faster, words = cost_.pays(s)
+    if faster:
+        return words
+    if always:
+        return words + ": not faster, rewritten as options['attention'] is 'always'"
+    raise Reject(f"not faster: {words}; the attention is left dense (options['attention'] = 'always' rewrites it "
+                 "anyway, e.g. for the memory of the dense masks)", site.scatter)
 
 
 def _latent(site: sites_.Site):

@@ -1,0 +1,116 @@
+"""Whether ``hyscale.sparse_attention`` pays at a site: an estimate of the op against the model's dense attention.
+
+The rewrite is legal at every site the pass proves, but not always faster. Dense attention reads each key
+tile once for a block of queries; the sparse op gathers each query's k picks, with no reuse between queries.
+So the op costs about T * k per-pick units and the dense attention T * S units, and what a unit costs depends
+on the layout:
+
+* per-head keys and values (MHA, GQA, MLA not absorbed): every pick gathers G kv heads of Dqk + Dv values,
+  and the backward writes and re-reads an fp32 contribution of that width per pick (the deterministic
+  reduction of dk and dv). Bandwidth-bound: the op pays only when S is many times k.
+* the MLA latent layout: one gathered row of 576 values serves all H heads. Compute-bound, like dense
+  attention, but on k keys instead of S.
+
+The rates are fitted to ``benchmarks/sparse_attention.py`` on the H200 (results/sparse_attention.json, the
+three layouts at T = S = 8192, k = 2048, bf16) and to its dense baselines; they are first-order and will move
+with the kernels, which is why the decision is an estimate with a margin and ``options["attention"] = "always"``
+overrides it. A training graph (any of q, k, v needs a gradient) counts forward and backward; an inference
+graph the forward only. Sizes that are symbolic are read at the sizes the graph was traced with.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Per-pick rates of the Triton op (milliseconds), fitted as above.
+GATHER_BYTES_PER_MS = 6.0e9  # forward: gathered kv bytes
+SPARSE_FWD_FLOPS_PER_MS = 1.85e11  # forward: 2 * H * (Dqk + Dv) a pick
+BWD_MS_PER_PICK = 2.05e-6  # backward: fixed cost of a pick (the sort by key, the segment pass)
+BWD_MS_PER_CONTRIB = 5.41e-9  # backward: a pick's fp32 contribution values, written and read back
+BWD_MS_PER_FLOP = 3.8e-11  # backward: the recomputed products
+HEAD_BLOCK = 64  # query heads of one kv group a backward program handles (contribution rows per pick)
+# Dense attention as the model runs it (SDPA's kernels over all S keys: a boolean or additive mask skips none).
+DENSE_FWD_FLOPS_PER_MS = 3.3e11
+DENSE_TRAIN_FLOPS_PER_MS = 2.7e11  # forward + backward
+DENSE_TRAIN_PRODUCTS = 3.5  # the backward's five products against the forward's two
+# The eager chain writes and reads its [B, H, T, S] logits and probabilities too.
+EAGER_PASSES_FWD, EAGER_PASSES_TRAIN = 4, 10
+HBM_BYTES_PER_MS = 3.0e9
+# Rewrite only where the estimate is this much faster: the fit is rough, and equal is not worth a new kernel.
+MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention as the op would run it and as the model runs it."""
+
+    B: int
+    T: int
+    S: int
+    H: int  # query heads
+    k: int  # picks per query
+    itemsize: int
+    training: bool
+    eager: bool  # the model's attention is the eager matmul-softmax-matmul chain (else SDPA)
+    # the op's layout: G kv groups of Dqk + Dv (Dv = 0 when values are the keys' first features: latent MLA)
+    G: int
+    Dqk: int
+    Dv: int
+    aliased: bool
+    # the model's dense attention: per-head dims (the expanded ones where the op runs the latent layout)
+    dense_Dqk: int
+    dense_Dv: int
+
+
+def sparse_ms(s: Shape) -> float:
+    picks = s.B * s.T * min(s.k, s.S)
+    gathered = s.G * (s.Dqk + (0 if s.aliased else s.Dv)) * s.itemsize
+    flops = 2 * s.H * (s.Dqk + s.Dv)
+    fwd = picks * max(gathered / GATHER_BYTES_PER_MS, flops / SPARSE_FWD_FLOPS_PER_MS)
+    if not s.training:
+        return fwd
+    head_blocks = math.ceil(s.H / s.G / HEAD_BLOCK)
+    contrib = head_blocks * s.G * (s.Dqk + s.Dv)
+    return fwd + picks * (BWD_MS_PER_PICK + contrib * BWD_MS_PER_CONTRIB + flops * BWD_MS_PER_FLOP)
+
+
+def dense_ms(s: Shape) -> float:
+    pairs = s.B * s.H * s.T * s.S
+    flops = 2 * pairs * (s.dense_Dqk + s.dense_Dv)
+    ms = flops * DENSE_TRAIN_PRODUCTS / DENSE_TRAIN_FLOPS_PER_MS if s.training else flops / DENSE_FWD_FLOPS_PER_MS
+    if s.eager:
+        ms += pairs * s.itemsize * (EAGER_PASSES_TRAIN if s.training else EAGER_PASSES_FWD) / HBM_BYTES_PER_MS
+    return ms
+
+
+def pays(s: Shape) -> tuple[bool, str]:
+    """(whether the op is estimated faster than the model's attention by MARGIN, the estimate in words)."""
+    sp, de = sparse_ms(s), dense_ms(s)
+    what = "a training step" if s.training else "a forward"
+    words = (f"estimated {_ms(sp)} for the sparse op against {_ms(de)} for the model's dense attention over "
+             f"S={s.S} keys ({what}, B={s.B}, T={s.T}, H={s.H}, k={s.k})")
+    return sp * MARGIN <= de, words
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3g} ms"
+
+
+def always() -> bool:
+    """``HYSCALE_ATTENTION=always`` makes "always" the default of ``options["attention"]`` (test suites that
+    check the rewrite on tiny models, where it never pays)."""
+    return os.environ.get("HYSCALE_ATTENTION", "").strip().lower() == "always"
+
+
+def size_hint(x) -> int | None:
+    """An int for a size, symbolic ones at the size they were traced with (no guard is added)."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        return int(hint) if hint is not None else None
+    return None
