@@ -185,8 +185,8 @@ def cpu_model() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few calls, prints only")
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--out", default=str(HERE / "results" / "host_overhead.json"))
     args = ap.parse_args()
     shapes = [(T, S, H, D, K) for S in DECODE_S for T in DECODE_T]
