@@ -15,15 +15,20 @@ Shapes: the prefill shapes (T = 4096, S = 131072, H in {16, 64}) for every famil
 (T in {1, 4, 16, 64, 256} x S in {32768, 131072, 1048576} x H in {16, 64}) for random; a batch of 8
 sequences of different lengths (a per-sequence query offset). k = 2048, D = 128, bf16, causal.
 
-Columns: hyscale_ms (``hyscale_compile.indexer_topk``: the operator as a compiled model calls it, host work
-included), hyscale_graph_ms (the same call replayed from a CUDA graph: what a decode engine runs),
+Columns: hyscale_table_route (whether the plan takes the table route, ``plan.Plan.table``: the call writes its
+composite table and runs torch.topk, as small calls do, instead of the pipeline), hyscale_ms
+(``hyscale_compile.indexer_topk``: the operator as a compiled model calls it, host work included),
+hyscale_graph_ms (the same call replayed from a CUDA graph: what a decode engine runs),
+hyscale_pipeline_ms / hyscale_pipeline_graph_ms (where the plan takes the table route: the pipeline forced, eager
+and replayed, so that the route's rule is checked where it decides),
 hyscale_unsorted_ms (sorted=False, what an order-free site runs), table_topk_ms (our fused score kernel
 writing the fp32 table, then torch.topk), peer_topk_ms / peer (the table, then the fastest of FlashInfer's
 radix top-k and CUB's DeviceBatchedTopK, benchmarks/peers), rows_recovered / fallbacks (the kernels'
-statistics for one call).
+statistics for one call; none on the table route, which runs no check).
 
-    python benchmarks/families.py            # CUDA -> results/families.json
-    python benchmarks/families.py --smoke    # tiny shapes, any device, prints only
+    python benchmarks/families.py                 # CUDA -> results/families.json
+    python benchmarks/families.py --rows decode   # only the decode / small-T rows -> results/families_decode.json
+    python benchmarks/families.py --smoke         # tiny shapes, any device, prints only
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import hyscale_compile  # noqa: E402
-from hyscale_compile.runtime import hytopk, stats  # noqa: E402
+from hyscale_compile.runtime import hytopk, plan, stats  # noqa: E402
 from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 
 FAMILIES = ("random", "all_equal", "relu_zero_majority", "dup_keys", "sink_recency", "heavy_tail", "per_head")
@@ -116,18 +121,19 @@ def graph_ms(fn) -> float | None:
 
 
 def table_topk(q, kx, w, scale, vis, k: int):
-    """Our fused score kernel writing the fp32 table, then torch.topk: the plain path hyscale replaces."""
+    """Our fused score kernel writing the fp32 table, then torch.topk: the plain path hyscale replaces; and
+    whether hyscale's plan takes its table route here."""
     import floor
 
     pb = hytopk.Problem(q, kx, w, scale, True, vis, float("-inf"))
-    plan = hytopk.make_plan(pb, k)
+    chosen = hytopk.make_plan(pb, k)
     table = torch.empty(pb.rows, pb.S, device=q.device, dtype=torch.float32)
 
     def run():
-        floor.table(pb, table, plan.filter_split)
+        floor.table(pb, table, chosen.filter_split)
         return table
 
-    return run
+    return run, chosen.table
 
 
 def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, offsets=None) -> dict:
@@ -138,6 +144,7 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
     vis = Visibility(causal=True, offset=S - T) if offsets is None else Visibility(causal=True, offsets=offsets)
     k = min(K, S)
     row = dict(family=family, B=B, T=T, S=S, H=H, k=k)
+    tab, row["hyscale_table_route"] = table_topk(q, kx, w, scale, vis, k)
 
     def hy(sorted_=True):
         return hyscale_compile.indexer_topk(q, kx, k, weights=w, scale=scale, query_offset=offset, sorted=sorted_)
@@ -145,13 +152,20 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
     stats.reset()
     hy()
     st = stats.read()
-    row["rows_recovered"], row["fallbacks"] = st.rows_recovered, st.fallbacks
+    if not row["hyscale_table_route"]:  # the table route runs no check, so it adds no statistics
+        row["rows_recovered"], row["fallbacks"] = st.rows_recovered, st.fallbacks
     row["hyscale_ms"] = round(median_ms(hy), 4)
     if T <= 256:
         row["hyscale_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, "graph"))
     if T >= 4096:
         row["hyscale_unsorted_ms"] = round(median_ms(lambda: hy(False)), 4)
-    tab = table_topk(q, kx, w, scale, vis, k)
+    if row["hyscale_table_route"]:  # what the pipeline would have cost here: the measurement behind the route rule
+        table_max, plan.TABLE_MAX_BYTES = plan.TABLE_MAX_BYTES, 0
+        try:
+            row["hyscale_pipeline_ms"] = round(median_ms(hy), 4)
+            row["hyscale_pipeline_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, "pipeline graph"))
+        finally:
+            plan.TABLE_MAX_BYTES = table_max
     row["table_topk_ms"] = round(median_ms(lambda: torch.topk(tab().view(B, T, S), k, dim=-1)), 4)
     if peers is not None and T >= 4096:
         best = None
@@ -177,24 +191,30 @@ def _rounded(x):
     return None if x is None else round(x, 4)
 
 
-def shapes(smoke: bool):
+def shapes(smoke: bool, rows: str = "all"):
     if smoke:
         yield from (("random", 1, 8, 512, 2), ("all_equal", 1, 8, 512, 2), ("relu_zero_majority", 1, 8, 512, 2),
                     ("per_head", 1, 1, 512, 2))
         return
-    for T, S, H in PREFILL:
-        for family in FAMILIES:
-            yield family, 1, T, S, H
-    for S in DECODE_S:
-        for T in DECODE_T:
-            for H in DECODE_H:
-                yield "random", 1, T, S, H
+    if rows in ("all", "prefill"):
+        for T, S, H in PREFILL:
+            for family in FAMILIES:
+                yield family, 1, T, S, H
+    if rows in ("all", "decode"):
+        for S in DECODE_S:
+            for T in DECODE_T:
+                for H in DECODE_H:
+                    yield "random", 1, T, S, H
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, prints only")
-    parser.add_argument("--out", default=str(HERE / "results" / "families.json"))
+    parser.add_argument("--rows", choices=("all", "prefill", "decode"), default="all",
+                        help="which rows: the prefill families, the decode / small-T ones (with the batch of "
+                             "sequences), or all")
+    parser.add_argument("--out", default=None, help="default results/families.json, or with --rows prefill / "
+                                                    "decode results/families_prefill.json / families_decode.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
@@ -210,24 +230,27 @@ def main() -> None:
 
         peers = peer_lib.load()
     rows = []
-    for family, B, T, S, H in shapes(args.smoke):
+    for family, B, T, S, H in shapes(args.smoke, args.rows):
         rows.append(run_row(family, B, T, S, H, device, peers))
         print(json.dumps(rows[-1]), flush=True)
-    if not args.smoke:  # a batch of 8 sequences of different lengths, one query each (a decode step)
+    if not args.smoke and args.rows in ("all", "decode"):  # a batch of 8 sequences of different lengths, one
+        # query each (a decode step)
         lens = torch.tensor([131072, 4096, 65536, 1024, 100000, 32768, 131071, 2048], device=device)
         rows.append(run_row("random", 8, 1, 131072, 64, device, peers, offsets=lens - 1))
         rows[-1]["lengths"] = lens.tolist()
         print(json.dumps(rows[-1]), flush=True)
-    print(f"{'family':>20} {'T':>5} {'S':>8} {'H':>3}  {'hyscale':>9} {'graph':>8} {'table+topk':>10} {'peer':>8}  "
-          "recovered")
+    print(f"{'family':>20} {'T':>5} {'S':>8} {'H':>3} {'route':>8}  {'hyscale':>9} {'graph':>8} {'table+topk':>10} "
+          f"{'peer':>8}  recovered")
     for r in rows:
         graph, peer = str(r.get("hyscale_graph_ms", "-")), str(r.get("peer_topk_ms", "-"))
-        print(f"{r['family']:>20} {r['T']:>5} {r['S']:>8} {r['H']:>3}  {r['hyscale_ms']:>9} {graph:>8} "
-              f"{r['table_topk_ms']:>10} {peer:>8}  {r['rows_recovered']}")
+        route = "table" if r["hyscale_table_route"] else "pipeline"
+        print(f"{r['family']:>20} {r['T']:>5} {r['S']:>8} {r['H']:>3} {route:>8}  {r['hyscale_ms']:>9} {graph:>8} "
+              f"{r['table_topk_ms']:>10} {peer:>8}  {r.get('rows_recovered', '-')}")
     if not args.smoke:
         from training import write_results
 
-        write_results(args.out, device, rows)
+        name = "families.json" if args.rows == "all" else f"families_{args.rows}.json"
+        write_results(args.out or str(HERE / "results" / name), device, rows)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ def main() -> None:
     vis = Visibility(causal=True, offset=a.S - a.T)
 
     def select(target=None):
-        return hytopk.select(q, kx, w, a.k, D**-0.5, True, vis, float("-inf"), tuning=hytopk.Tuning(target=target))
+        tuning = hytopk.Tuning(target=target, table=False)  # the pipeline's target, at any size
+        return hytopk.select(q, kx, w, a.k, D**-0.5, True, vis, float("-inf"), tuning=tuning)
 
     base = select()
     rows = []

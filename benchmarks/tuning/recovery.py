@@ -101,7 +101,8 @@ def main() -> None:
     if args.smoke:  # the interpreter is slow, and its rows all overflow the tiny buffer anyway
         cases = {"none": q}
     # the smoke run's rows are short: a tiny buffer makes them overflow, so the recovery runs
-    rows = measure(cases, kx, w, vis, k, D, device, hytopk.Tuning(capacity=24) if args.smoke else hytopk.Tuning())
+    rows = measure(cases, kx, w, vis, k, D, device, hytopk.Tuning(capacity=24, table=False) if args.smoke
+                   else hytopk.Tuning(table=False))
     if not args.smoke and device == "cuda":
         training.write_results(args.out, device, rows)
 

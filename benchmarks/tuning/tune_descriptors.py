@@ -86,7 +86,7 @@ def paths(shape: tuple[int, int, int, int], smoke: bool) -> dict:
     q, kx, w, scale, vis = operands(T, S, H, smoke)
     row, picks = dict(T=T, S=S, H=H, k=k), {}
     for tma in (True, False):
-        tuning = hytopk.Tuning(tile=tile(tma=tma))
+        tuning = hytopk.Tuning(tile=tile(tma=tma), table=False)  # the pipeline's filter, at any size
         tag = "tma" if tma else "ptr"
         pb = hytopk.Problem(q, kx, w, scale, True, vis, float("-inf"), tuning.tile)
         plan = hytopk.make_plan(pb, k, tuning)

@@ -73,7 +73,8 @@ def final_composites(full, k: int, used, **kw):
 
 def run_config(q, kx, w, k, vis, cfg, ref) -> dict:
     bt, bs, warps, stages, maxnreg = cfg
-    tuning = hytopk.Tuning(tile=score_tile.TileConfig(bt=bt, bs=bs, warps=warps, stages=stages, maxnreg=maxnreg))
+    tuning = hytopk.Tuning(tile=score_tile.TileConfig(bt=bt, bs=bs, warps=warps, stages=stages, maxnreg=maxnreg),
+                           table=False)  # the pipeline's stages, at any size
     scale = D**-0.5
     T, S, H = q.shape[1], kx.shape[1], q.shape[2]
 

@@ -30,8 +30,13 @@ from ..runtime.reference import Visibility
 _QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check(cond, msg: str) -> None:
-    torch._check(cond, lambda: msg)
+def _check(cond, msg) -> None:
+    """torch._check(cond, msg), ``msg`` a callable that builds the message (only on failure). A condition that
+    is a plain True (concrete sizes, the eager call) returns at once: these checks run on every call, and
+    torch._check's own work on a bool cost more than the rest of them."""
+    if cond is True:
+        return
+    torch._check(cond, msg)
 
 
 def _broadcasts_to(t: Tensor, sizes: tuple) -> bool:
@@ -49,47 +54,53 @@ def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
              ("mask", mask), ("bias", bias), ("indices", indices))
     for name, t in named:
         if t is not None:
-            _check(t.device == q.device, f"hyscale: {name} is on {t.device} but q is on {q.device}; every tensor "
-                                         "argument must be on q's device")
-    _check(q.dim() == 4, f"hyscale: q must be [B, T, H, D], got {q.dim()} dims {tuple(q.shape)}")
-    _check(kx.dim() == 3, f"hyscale: kx must be [B, S, D], got {kx.dim()} dims {tuple(kx.shape)}")
-    _check(q.dtype in _QK_DTYPES, f"hyscale: q dtype {q.dtype} unsupported; use bfloat16, float16 or float32")
-    _check(kx.dtype in _QK_DTYPES, f"hyscale: kx dtype {kx.dtype} unsupported; use bfloat16, float16 or float32")
+            _check(t.device == q.device,
+                   lambda name=name, t=t: f"hyscale: {name} is on {t.device} but q is on {q.device}; every tensor "
+                                          "argument must be on q's device")
+    _check(q.dim() == 4, lambda: f"hyscale: q must be [B, T, H, D], got {q.dim()} dims {tuple(q.shape)}")
+    _check(kx.dim() == 3, lambda: f"hyscale: kx must be [B, S, D], got {kx.dim()} dims {tuple(kx.shape)}")
+    _check(q.dtype in _QK_DTYPES, lambda: f"hyscale: q dtype {q.dtype} unsupported; use bfloat16, float16 or float32")
+    _check(kx.dtype in _QK_DTYPES,
+           lambda: f"hyscale: kx dtype {kx.dtype} unsupported; use bfloat16, float16 or float32")
     B, T, H, D = q.shape
-    _check(kx.shape[0] == B or kx.shape[0] == 1, f"hyscale: kx batch {kx.shape[0]} is neither q batch {B} nor 1")
-    _check(kx.shape[2] == D, f"hyscale: kx head dim {kx.shape[2]} != q head dim {D}")
+    _check(kx.shape[0] == B or kx.shape[0] == 1,
+           lambda: f"hyscale: kx batch {kx.shape[0]} is neither q batch {B} nor 1")
+    _check(kx.shape[2] == D, lambda: f"hyscale: kx head dim {kx.shape[2]} != q head dim {D}")
     S = kx.shape[1]
     if weights is not None:
         _check(weights.dim() == 3 and all(w == n or w == 1 for w, n in zip(weights.shape, (B, T, H))),
-               f"hyscale: weights must broadcast to [B, T, H] = [{B}, {T}, {H}], got {tuple(weights.shape)}")
-        _check(weights.is_floating_point(), f"hyscale: weights must be floating point, got {weights.dtype}")
+               lambda: f"hyscale: weights must broadcast to [B, T, H] = [{B}, {T}, {H}], got {tuple(weights.shape)}")
+        _check(weights.is_floating_point(), lambda: f"hyscale: weights must be floating point, got {weights.dtype}")
     if k is not None:
-        _check(k >= 0, f"hyscale: k must be >= 0, got k={k}")
-        _check(k <= S, f"hyscale: k={k} is larger than the number of keys S={S}")
+        _check(k >= 0, lambda: f"hyscale: k must be >= 0, got k={k}")
+        _check(k <= S, lambda: f"hyscale: k={k} is larger than the number of keys S={S}")
     if offsets is not None:
         _check(offsets.dim() == 1 and offsets.shape[0] == B,
-               f"hyscale: query_offset tensor must be [B] = [{B}], got {tuple(offsets.shape)}")
+               lambda: f"hyscale: query_offset tensor must be [B] = [{B}], got {tuple(offsets.shape)}")
         _check(not offsets.is_floating_point() and offsets.dtype != torch.bool,
-               f"hyscale: query_offset tensor must be an integer tensor, got {offsets.dtype}")
+               lambda: f"hyscale: query_offset tensor must be an integer tensor, got {offsets.dtype}")
     for name, win in (("starts", starts), ("ends", ends)):
         if win is not None:
             _check(win.dim() == 2 and all(w == n or w == 1 for w, n in zip(win.shape, (B, T))),
-                   f"hyscale: {name} must broadcast to [B, T] = [{B}, {T}], got {tuple(win.shape)}")
-            _check(not win.is_floating_point(), f"hyscale: {name} must be an integer tensor, got {win.dtype}")
+                   lambda name=name, win=win: f"hyscale: {name} must broadcast to [B, T] = [{B}, {T}], got "
+                                              f"{tuple(win.shape)}")
+            _check(not win.is_floating_point(),
+                   lambda name=name, win=win: f"hyscale: {name} must be an integer tensor, got {win.dtype}")
     if mask is not None:
-        _check(mask.dtype == torch.bool, f"hyscale: mask must be bool here, got {mask.dtype}")
+        _check(mask.dtype == torch.bool, lambda: f"hyscale: mask must be bool here, got {mask.dtype}")
         _check(_broadcasts_to(mask, (B, T, S)),
-               f"hyscale: mask must broadcast to [B, T, S] = [{B}, {T}, {S}], got {tuple(mask.shape)}")
+               lambda: f"hyscale: mask must broadcast to [B, T, S] = [{B}, {T}, {S}], got {tuple(mask.shape)}")
     if bias is not None:
-        _check(bias.is_floating_point(), f"hyscale: bias (additive mask) must be floating point, got {bias.dtype}")
+        _check(bias.is_floating_point(),
+               lambda: f"hyscale: bias (additive mask) must be floating point, got {bias.dtype}")
         _check(_broadcasts_to(bias, (B, T, S)),
-               f"hyscale: bias (additive mask) must broadcast to [B, T, S] = [{B}, {T}, {S}], got "
-               f"{tuple(bias.shape)}")
+               lambda: f"hyscale: bias (additive mask) must broadcast to [B, T, S] = [{B}, {T}, {S}], got "
+                       f"{tuple(bias.shape)}")
     if indices is not None:
         _check(indices.dim() == 3 and indices.shape[0] == B and indices.shape[1] == T,
-               f"hyscale: indices must be [B, T, k] = [{B}, {T}, k], got {tuple(indices.shape)}")
-        _check(indices.dtype in (torch.int32, torch.int64), f"hyscale: indices must be int32 or int64, got "
-                                                            f"{indices.dtype}")
+               lambda: f"hyscale: indices must be [B, T, k] = [{B}, {T}, k], got {tuple(indices.shape)}")
+        _check(indices.dtype in (torch.int32, torch.int64),
+               lambda: f"hyscale: indices must be int32 or int64, got {indices.dtype}")
 
 
 def _prepare(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:

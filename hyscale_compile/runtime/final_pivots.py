@@ -7,6 +7,7 @@ the row's own unused slots, or a list of a shared pool), sized from the expected
 
 from __future__ import annotations
 
+import functools
 import math
 
 SAMPLE = 512  # sample entries per row for the pivots
@@ -19,6 +20,7 @@ def _ranks_between(i_hi: int, i_lo: int, S: int) -> int:
     return min(i_lo, S - 1) - max(i_hi, -1)
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of sizes, asked a few times per call
 def pivot_ranks(k: int, W: int, S: int = SAMPLE) -> tuple[int, int, int]:
     """(i_hi, i_lo, cap): sample ranks (descending, 0-based) of the pivots and the scratch list size.
 
@@ -36,6 +38,7 @@ def pivot_ranks(k: int, W: int, S: int = SAMPLE) -> tuple[int, int, int]:
     return i_hi, i_lo, max(1, min(W, int(2 * between) + 64))
 
 
+@functools.lru_cache(maxsize=256)
 def list_room(k: int, W: int, S: int = SAMPLE) -> int:
     """Unused slots a row needs to hold its own list: the expected count between the pivots and three
     of its standard deviations (it varies by about 1/sqrt(ranks between) of itself)."""

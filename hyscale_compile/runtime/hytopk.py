@@ -1,5 +1,9 @@
 """HyTopK: exact top-k selection that never writes the score table (docs/design.md, section 4).
 
+Small calls (a composite table of at most plan.TABLE_MAX_BYTES: decode steps) take the table route
+instead: one kernel writes the table with the same score bits, torch.topk ranks it (table_path.py);
+what they would save is less than the pipeline's fixed launches cost. The pipeline, for the rest:
+
     sample     -> per row, keys of M evenly spaced positions of its range       (sample.py)
     threshold  -> the ceil(target*m/ctx)-th best sample; writes the row's extras (sample.py)
     filter     -> score tiles on chip, append entries >= threshold             (filter.py, filter_append.py)
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import table_path
 from .check import check
 from .env import interpreting
 from .filter import filter_rows
@@ -53,7 +58,8 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
            vis: Visibility, fill: float, sorted: bool = True, *, tuning: Tuning = DEFAULT) -> tuple[Tensor, Tensor]:
     """Exact top-k per query row, same contract as reference.select; sorted=False returns the same
     entries per row without the final sort, in an unspecified order: the order of the filter's atomic
-    appends, which may differ from run to run (the pass asks for it only where no order can matter).
+    appends (on the table route, torch.topk's), which may differ from run to run (the pass asks for it
+    only where no order can matter).
     ``tuning`` overrides the plan's rules (tests and tuning runs)."""
     B, T = q.shape[0], q.shape[1]
     if k == 0 or B * T == 0:
@@ -61,6 +67,9 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = Problem(q, kx, weights, scale, relu, vis, fill, tuning.tile)
     plan = make_plan(pb, k, tuning)
+    if plan.table:  # a small problem: its composite table and torch.topk (table_path.py)
+        values, indices = table_path.select(pb, plan, sorted)
+        return values.view(B, T, k), indices.view(B, T, k)
     buf, used = candidates(pb, plan)
     if interpreting() and sorted:
         # the interpreter runs the final kernel too slowly for whole-select tests; tests/kernels/

@@ -19,6 +19,10 @@ from .reference import Visibility
 from .score_tile import TileConfig
 
 RESERVED_APPEND_MAX_HEADS = 32  # up to this many heads the filter reserves slots at any share (see append_kind)
+# The table route (table_path.py) up to this size of the int64 composite table [R, S]: the table is then small
+# enough that writing it and running torch.topk over it costs less than the pipeline's fixed launches and host
+# work, which dominate a decode step (one or a few query rows). Past it the table is what the pipeline saves.
+TABLE_MAX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Tuning:
     samples: int | None = None  # sample positions per query block
     programs: int | None = None  # programs to aim for per launch
     sample_split: int | None = None  # sampling programs per query block (default: one per two sample tiles)
+    table: bool | None = None  # True: the table route, False: the pipeline (default: table_route's rule)
 
 
 DEFAULT = Tuning()
@@ -53,6 +58,7 @@ class Plan:
     asm: bool  # the appends' steps in PTX (not under the interpreter)
     filter_options: dict  # the filter's launch options beyond its tile's
     row_lists: bool  # the final select keeps its lists in the rows' unused slots
+    table: bool = False  # the table route (table_path.py) instead of the pipeline: the fields above then go unused
 
     @property
     def width(self) -> int:
@@ -70,14 +76,26 @@ def sizes(k: int, S: int, tuning: Tuning = DEFAULT) -> tuple[int, int, int]:
 
 
 def make_plan(pb: Problem, k: int, tuning: Tuning = DEFAULT) -> Plan:
+    table = table_route(pb.rows, pb.S, tuning)
     target, cap, M = sizes(k, pb.S, tuning)
     programs = device_programs(pb.device, tuning)
     append, asm = append_kind(pb.tile, pb.S, pb.H, cap, asm=not interpreting())
     return Plan(k=k, target=target, capacity=cap, samples=M, sampled=pb.S > cap, programs=programs,
                 sample_split=tuning.sample_split or cdiv(M, 2 * pb.tile.bs),
                 filter_split=filter_split(pb, programs), append=append, asm=asm,
-                filter_options=filter_options(pb.tile, bool(pb.descriptors), append, asm),
-                row_lists=row_lists(k, pb.S, target, cap, pb.vis))
+                # the table route runs no filter: its descriptors are not even built
+                filter_options={} if table else filter_options(pb.tile, bool(pb.descriptors), append, asm),
+                row_lists=row_lists(k, pb.S, target, cap, pb.vis), table=table)
+
+
+def table_route(rows: int, S: int, tuning: Tuning = DEFAULT) -> bool:
+    """Whether a call of ``rows`` query rows over S keys writes its composite table and runs torch.topk
+    (table_path.py) instead of the pipeline: where that int64 table [rows, S] takes at most
+    TABLE_MAX_BYTES, so decode steps and other small calls (the pipeline's promise never to write the
+    table is about the tables that matter: large ones). A tuning's ``table`` forces either route."""
+    if tuning.table is not None:
+        return tuning.table
+    return rows * S * 8 <= TABLE_MAX_BYTES
 
 
 def device_programs(device: torch.device, tuning: Tuning = DEFAULT) -> int:

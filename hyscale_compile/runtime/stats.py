@@ -1,7 +1,8 @@
 """HyTopK runtime statistics, kept as device tensors so the hot path never waits for the host.
 
 HyTopK's check kernel adds to the per-device ``counters`` on the device (CUDA-graph safe once
-allocated); ``read`` copies them to the host on demand (that one call synchronizes).
+allocated); ``read`` copies them to the host on demand (that one call synchronizes). They count the
+pipeline's calls: a call on the table route (table_path.py: small calls) runs no check and adds nothing.
 """
 
 from __future__ import annotations

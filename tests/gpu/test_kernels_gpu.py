@@ -22,9 +22,10 @@ def _mods():
 
 
 def tuning(**kw):
+    """A Tuning of the pipeline (these tests' knobs are the pipeline's; small calls would take the table route)."""
     from hyscale_compile.runtime.plan import Tuning
 
-    return Tuning(**kw)
+    return Tuning(**{"table": False, **kw})
 
 
 def exact_inputs(B, T, H, D, S, dtype=torch.bfloat16, seed=0):
@@ -41,6 +42,7 @@ def same(a, b) -> bool:
 
 
 def check_exact(q, kx, w, k, vis, fill=NEG_INF, relu=True, scale=0.5, over=None):
+    """The pipeline (``over``, or forced) against the reference, and the table route the same bits."""
     hytopk, reference, _ = _mods()
     v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill, tuning=over or tuning())
     rv, ri = reference.select(q, kx, w, k, scale, relu, vis, fill)
@@ -48,6 +50,8 @@ def check_exact(q, kx, w, k, vis, fill=NEG_INF, relu=True, scale=0.5, over=None)
     assert torch.equal(i, ri)
     r = hytopk.rescore(q, kx, w, i, scale, relu, vis, fill)
     assert torch.equal(r.view(torch.int32), v.view(torch.int32))
+    tv, ti = hytopk.select(q, kx, w, k, scale, relu, vis, fill, tuning=tuning(table=True))
+    assert torch.equal(tv.view(torch.int32), v.view(torch.int32)) and torch.equal(ti, i), "table route != pipeline"
     return v, i
 
 
@@ -97,11 +101,14 @@ def test_random_near_ties(dtype, H):
     kx = torch.randn(1, 32768, 128, device="cuda", generator=g).to(dtype)
     w = torch.randn(1, 256, H, device="cuda", generator=g)
     vis = Visibility(causal=True, offset=32768 - 256)
-    v, i = hytopk.select(q, kx, w, 2048, 1 / math.sqrt(128), True, vis, NEG_INF)
+    v, i = hytopk.select(q, kx, w, 2048, 1 / math.sqrt(128), True, vis, NEG_INF, tuning=tuning())
     rv, ri = reference.select(q, kx, w, 2048, 1 / math.sqrt(128), True, vis, NEG_INF)
     assert_same_topk(v, i, rv, ri, rtol=1e-4, atol=1e-4)
     r = hytopk.rescore(q, kx, w, i, 1 / math.sqrt(128), True, vis, NEG_INF)
     assert torch.equal(r.view(torch.int32), v.view(torch.int32))
+    # the table route scores with the filter's tile through pointers (the filter here by descriptor): same bits
+    tv, ti = hytopk.select(q, kx, w, 2048, 1 / math.sqrt(128), True, vis, NEG_INF, tuning=tuning(table=True))
+    assert torch.equal(tv.view(torch.int32), v.view(torch.int32)) and torch.equal(ti, i)
 
 
 @pytest.mark.parametrize("dtype,H", [(torch.bfloat16, 16), (torch.float16, 64), (torch.bfloat16, 5)])
@@ -213,3 +220,47 @@ def test_tie_rows_need_no_recovery(family):
     stats.reset()
     check_exact(q, kx, w, 2048, Visibility(causal=True, offset=131072 - 512))
     assert stats.read().rows_recovered == 0
+
+
+@pytest.mark.parametrize("T,S,H", [(1, 32768, 64), (4, 131072, 16), (64, 131072, 64), (16, 1 << 20, 64)])
+def test_table_route_at_decode_shapes(T, S, H):
+    """Decode shapes take the table route by default; it selects the pipeline's bits (random values: every
+    sum inexact, so only the same arithmetic gives the same bits), sorted and unsorted (the same entries),
+    without a sync, and from a CUDA graph. T=16 at 2**20 keys is past the table limit: the plan says so."""
+    hytopk, _, _ = _mods()
+    from hyscale_compile.runtime import plan as plan_mod
+    from hyscale_compile.runtime.problem import Problem
+
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q = torch.randn(1, T, H, 128, device="cuda", generator=g).bfloat16()
+    kx = torch.randn(1, S, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1, T, H, device="cuda", generator=g)
+    vis = Visibility(causal=True, offset=S - T)
+    pb = Problem(q, kx, w, 0.1, True, vis, NEG_INF)
+    assert plan_mod.make_plan(pb, 2048).table == (T * S * 8 <= plan_mod.TABLE_MAX_BYTES)
+    v, i = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=tuning())
+    tv, ti = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=tuning(table=True))
+    assert torch.equal(tv.view(torch.int32), v.view(torch.int32)) and torch.equal(ti, i)
+    uv, ui = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, sorted=False, tuning=tuning(table=True))
+    order = ui.sort(-1)
+    want = i.sort(-1)
+    assert torch.equal(order.values, want.values)
+    assert torch.equal(uv.gather(-1, order.indices).view(torch.int32), v.gather(-1, want.indices).view(torch.int32))
+    table = tuning(table=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=table)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=table)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gv, gi = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=table)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)

@@ -70,10 +70,11 @@ def run_entry_points(parts=PARTS) -> None:
     """The launches a training step makes, at small shapes that keep every code path (and variant) alive."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import hyscale_compile
-    from hyscale_compile.runtime import dispatch
+    from hyscale_compile.runtime import dispatch, plan
 
     g = torch.Generator().manual_seed(0)
     B, T, S, H, D, k = 1, 64, 8192, 16, 128, 64  # S past the candidate capacity: sampling runs
+    table_max, plan.TABLE_MAX_BYTES = plan.TABLE_MAX_BYTES, 0  # these sizes would take the table route
     with dispatch.force_backend("triton"):
         # fp32 operands only with the selection's variants: the training path's are bf16 (and fp16 below)
         for dtype in (torch.bfloat16, torch.float32) if "selection" in parts else (torch.bfloat16,):
@@ -100,6 +101,16 @@ def run_entry_points(parts=PARTS) -> None:
             q, kx, w = (torch.randn(*s, generator=g) for s in ((B, T, H, D), (B, S, D), (B, T, H)))
             q, kx, w = q.half().requires_grad_(), kx.half().requires_grad_(), w.requires_grad_()
             hyscale_compile.indexer_topk(q, kx, k, weights=w, query_offset=S - T)[0].float().sum().backward()
+        plan.TABLE_MAX_BYTES = table_max  # the table route: its kernel with each operand dtype, mask and bias
+        if "selection" in parts or "backward" in parts:
+            for dtype in (torch.bfloat16, torch.float32) if "selection" in parts else (torch.bfloat16,):
+                q, kx = torch.randn(B, 1, H, D, generator=g).to(dtype), torch.randn(B, S, D, generator=g).to(dtype)
+                w = torch.randn(B, 1, H, generator=g)
+                hyscale_compile.indexer_topk(q, kx, k, weights=w, query_offset=S - 1)
+                if "selection" in parts:
+                    hyscale_compile.indexer_topk(q, kx, k, weights=w, sorted=False,
+                                                 mask=torch.rand(B, 1, S, generator=g) > 0.1, fill=-1.0)
+                    hyscale_compile.indexer_topk(q, kx, k, mask=torch.randn(1, S, generator=g))
         if "attention" in parts:  # MLA latent (v = k[..., :512]), GQA and MHA layouts, forward and backward
             for (H_, G, Dqk, Dv, alias) in ((128, 1, 576, 512, True), (32, 8, 128, 128, False),
                                             (16, 16, 192, 128, False)):

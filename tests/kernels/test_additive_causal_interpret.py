@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hyscale_compile.runtime import hytopk, reference
+from hyscale_compile.runtime.plan import Tuning
 from hyscale_compile.runtime.reference import Visibility
 
 NEG_INF = float("-inf")
@@ -28,6 +29,14 @@ def _same(a, b):
     return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
+def _select(q, kx, w, k, vis, fill):
+    """The pipeline's selection (forced: these sizes take the table route), and the table route's, the same bits."""
+    v, i = hytopk.select(q, kx, w, k, 0.5, True, vis, fill, tuning=Tuning(table=False))
+    tv, ti = hytopk.select(q, kx, w, k, 0.5, True, vis, fill, tuning=Tuning(table=True))
+    assert torch.equal(tv.view(torch.int32), v.view(torch.int32)) and torch.equal(ti, i), "table route != pipeline"
+    return v, i
+
+
 @pytest.mark.parametrize("poison", ["none", "nan_query", "inf_key"])
 @pytest.mark.parametrize("offsets", [None, torch.tensor([30, 33])])
 def test_additive_causal_matches_reference(poison, offsets):
@@ -37,7 +46,7 @@ def test_additive_causal_matches_reference(poison, offsets):
     elif poison == "inf_key":
         kx[1, 38, 0] = float("inf")  # behind the mask of every row of batch 1
     vis = Visibility(causal=True, offset=30, offsets=offsets, causal_additive=True)
-    v, i = hytopk.select(q, kx, w, 8, 0.5, True, vis, NEG_INF)
+    v, i = _select(q, kx, w, 8, vis, NEG_INF)
     rv, ri = reference.select(q, kx, w, 8, 0.5, True, vis, NEG_INF)
     assert _same(v, rv) and torch.equal(i, ri)
     if poison != "none":
@@ -51,7 +60,7 @@ def test_additive_causal_beside_a_bias_matches_reference():
     bias = (torch.randint(-3, 3, (5, 40)) / 4).float()
     bias[3, 10] = float("nan")
     vis = Visibility(causal=True, offset=30, bias=bias, causal_additive=True)
-    v, i = hytopk.select(q, kx, w, 8, 0.5, True, vis, NEG_INF)
+    v, i = _select(q, kx, w, 8, vis, NEG_INF)
     rv, ri = reference.select(q, kx, w, 8, 0.5, True, vis, NEG_INF)
     assert _same(v, rv) and torch.equal(i, ri)
 
@@ -62,7 +71,7 @@ def test_additive_causal_with_a_finite_fill_scores_every_key():
     q, kx, w = _inputs(seed=2)
     mask = torch.rand(2, 5, 40, generator=torch.Generator().manual_seed(4)) > 0.2
     vis = Visibility(causal=True, offset=10, mask=mask, causal_additive=True)
-    v, i = hytopk.select(q, kx, w, 20, 0.5, True, vis, -1e4)
+    v, i = _select(q, kx, w, 20, vis, -1e4)
     rv, ri = reference.select(q, kx, w, 20, 0.5, True, vis, -1e4)
     assert _same(v, rv) and torch.equal(i, ri)
     assert (rv == -1e4).any() and torch.isinf(rv).any()  # both kinds of masked pick are selected

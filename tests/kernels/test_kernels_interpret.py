@@ -49,10 +49,14 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check(q, kx, w, k, scale=0.5, relu=True, vis=ALL_VISIBLE, fill=NEG_INF, tuning=DEFAULT):
-    v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill, tuning=tuning)
+    """The pipeline (forced: at these sizes the plan takes the table route) against the reference, bit
+    for bit, and so is the table route (once per call: it has no knobs of the pipeline's)."""
+    v, i = hytopk.select(q, kx, w, k, scale, relu, vis, fill, tuning=dataclasses.replace(tuning, table=False))
     rv, ri = reference.select(q, kx, w, k, scale, relu, vis, fill)
     assert same(v, rv), f"values differ:\n{v}\n{rv}"
     assert torch.equal(i, ri), f"indices differ:\n{i}\n{ri}"
+    tv, ti = hytopk.select(q, kx, w, k, scale, relu, vis, fill, tuning=Tuning(tile=tuning.tile, table=True))
+    assert torch.equal(tv.view(torch.int32), v.view(torch.int32)) and torch.equal(ti, i), "table route != pipeline"
     r = hytopk.rescore(q, kx, w, i, scale, relu, vis, fill)
     assert same(r, v) and torch.equal(r.view(torch.int32), v.view(torch.int32)), "rescore != select bitwise"
     return v, i
@@ -459,12 +463,16 @@ def test_random_inputs_near_ties():
     kx = torch.randn(1, 64, 32, generator=g).to(torch.bfloat16)
     w = torch.randn(1, 4, 3, generator=g)
     vis = Visibility(causal=True, offset=60)
-    v, i = hytopk.select(q, kx, w, 10, 1 / math.sqrt(32), True, vis, NEG_INF)
+    v, i = hytopk.select(q, kx, w, 10, 1 / math.sqrt(32), True, vis, NEG_INF, tuning=Tuning(table=False))
     rv, ri = reference.select(q, kx, w, 10, 1 / math.sqrt(32), True, vis, NEG_INF)
     assert_same_topk(v, i, rv, ri)
+    tv, ti = hytopk.select(q, kx, w, 10, 1 / math.sqrt(32), True, vis, NEG_INF, tuning=Tuning(table=True))
+    assert torch.equal(tv.view(torch.int32), v.view(torch.int32)) and torch.equal(ti, i)  # the same score bits
 
 
-def test_op_dispatch_and_repeatability():
+@pytest.mark.parametrize("table_max", [0, plan.TABLE_MAX_BYTES], ids=["pipeline", "table"])
+def test_op_dispatch_and_repeatability(monkeypatch, table_max):
+    monkeypatch.setattr(plan, "TABLE_MAX_BYTES", table_max)
     q, kx, w = inputs(B=1, T=4, S=32, seed=14)
     with dispatch.force_backend("triton"):
         a = torch.ops.hyscale.select(q, kx, w, 5, 0.5, True, True, 28, None, None, None, None, None, NEG_INF, True)
@@ -480,12 +488,16 @@ def _by_position(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Ten
     return values.gather(-1, order), indices
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_unsorted_select_end_to_end(backend):
+@pytest.mark.parametrize("backend", ["triton", "reference", "triton_table"])
+def test_unsorted_select_end_to_end(monkeypatch, backend):
     """sorted=False through the operator, on both backends: each row's entries are the sorted selection's,
     with the same bits; the kernels give the order of their candidate slots (the final select kernel
     runs under the interpreter for it), the reference ascending positions; and neither is the sorted
-    order, so a caller that relies on it is caught on the CPU too."""
+    order, so a caller that relies on it is caught on the CPU too. The table route (a small call: these
+    sizes) gives torch.topk's order, whatever that is."""
+    table = backend == "triton_table"
+    backend = backend.removesuffix("_table")
+    monkeypatch.setattr(plan, "TABLE_MAX_BYTES", plan.TABLE_MAX_BYTES if table else 0)
     q, kx, w = inputs(B=1, T=4, S=48, seed=41)
     args = (q, kx, w, 6, 0.5, True, True, 44, None, None, None, None, None, NEG_INF)
     with dispatch.force_backend(backend):
@@ -496,7 +508,8 @@ def test_unsorted_select_end_to_end(backend):
     pv, pi = _by_position(uv, ui)
     want_v, want_i = _by_position(rv, ri)
     assert torch.equal(pi, want_i) and torch.equal(pv.view(torch.int32), want_v.view(torch.int32))
-    assert not torch.equal(ui, si), "the unsorted selection came back sorted"
+    if not table:
+        assert not torch.equal(ui, si), "the unsorted selection came back sorted"
     if backend == "reference":
         assert torch.equal(ui, want_i)  # ascending positions
 

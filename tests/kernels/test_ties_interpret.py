@@ -16,7 +16,7 @@ from hyscale_compile.runtime.plan import Tuning
 from hyscale_compile.runtime.reference import Visibility
 
 NEG_INF = float("-inf")
-TUNING = Tuning(capacity=48, target=24, samples=32, programs=2)
+TUNING = Tuning(capacity=48, target=24, samples=32, programs=2, table=False)  # the pipeline, not the table
 
 
 def _inputs(family: str, B=1, T=6, H=2, D=16, S=160, seed=0):

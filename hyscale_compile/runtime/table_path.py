@@ -1,0 +1,77 @@
+"""HyTopK's table route for small problems: write the composite table, then ``torch.topk`` over it.
+
+The pipeline (sample, threshold, filter, ties, check, recovery, final select, sort) never writes the score
+table, which is what matters where the table is large; but its launches and their host work are a fixed cost
+of every call, and at decode sizes (one or a few query rows against a long context) that fixed cost is most
+of the call. There the table is small, and writing it is cheaper than the launches it saves
+(``plan.TABLE_MAX_BYTES`` draws the line; ``plan.Plan.table`` says which route a call takes).
+
+One kernel scores every key of every row with the pipeline's arithmetic (the filter's ``tile_scores``: the
+same tile shape, the same ``score_tile``, hence the same bits), applies the visibility with ``tile_values``
+(out-of-range and masked positions get the fill, as the pipeline's extras and masked entries do) and writes
+each entry's unique int64 ``composite`` (order key high, 2**32 - 1 - position low) into an [R, S] table.
+``torch.topk`` over the composites is exact and deterministic whatever its tie rule (no two are equal), and
+``final_sort.decode`` turns the winners back into canonical fp32 values and int64 positions, exactly as the
+final select does: the result is the pipeline's, bit for bit, fill values and positions of short rows
+included (every position competes with its value; of the masked ones, ranked by position, the lowest win,
+which are the ones the pipeline's extras hold).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .filter import tile_scores
+from .final_sort import decode
+from .plan import Plan
+from .problem import Problem, cdiv
+from .score_tile import block_rows, composite, order_key, tile_values
+
+
+@triton.jit
+def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_ptr,
+                 T, S, H, scale, fill, out_stride,
+                 sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                 ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
+                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[r, s] = composite(order_key(value[r, s]), s) for key tile program_id(0) of one query block.
+
+    Values as the pipeline computes them: the filter's score tile (pointer loads), then ``tile_values``
+    (bias added, bool mask and the row's [lo, hi) range replaced by the fill). A tile outside every row's
+    range of the block is all fill and is not scored.
+    """
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pid_t = tl.program_id(2)
+    rows_t, row_ok, rid, lo, hi, blo, bhi = block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
+    cols = tile * BS + tl.arange(0, BS).to(tl.int64)
+    col_ok = cols < S
+    acc = tl.zeros((BT, BS), dtype=tl.float32)
+    if (tile * BS < bhi) & (tile * BS + BS > blo):
+        q_rows = b * sqb + rows_t * sqt
+        w_rows = b * swb + rows_t * swt
+        cols, col_ok, acc = tile_scores(q_ptr, kx_ptr + b * skb, w_ptr, q_rows, w_rows, row_ok, tile, b, S, H, sks,
+                                        sqh, swh, scale, 0, None, None, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC, False)
+    val, _ = tile_values(acc, rows_t * 0 + b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
+                         mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
+    tl.store(out_ptr + rid[:, None] * out_stride + cols[None, :], composite(order_key(val), cols[None, :]),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def composites(pb: Problem) -> Tensor:
+    """The int64 composite table [R, S] of every entry (what ``select`` ranks)."""
+    comp = torch.empty(pb.rows, pb.S, dtype=torch.int64, device=pb.device)
+    pb.launch(table_kernel, (cdiv(pb.S, pb.tile.bs), pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, comp,
+              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, comp.stride(0))
+    return comp
+
+
+def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor]:
+    """(values fp32 [R, k], positions int64 [R, k]) of each row's top plan.k, ordered by (value desc, position
+    asc), or with sorted=False the same entries in torch.topk's unspecified order."""
+    top = torch.topk(composites(pb), plan.k, dim=1, sorted=sorted).values
+    return decode(top)

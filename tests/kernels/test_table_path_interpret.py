@@ -1,0 +1,199 @@
+"""The table route (runtime/table_path.py) under the interpreter: the pipeline's selection, bit for bit.
+
+Small calls write their int64 composite table and rank it with torch.topk instead of running the pipeline;
+the result must not tell the routes apart. Each case runs both routes (forced with ``Tuning.table``) and
+the reference: values and indices of the table route equal the pipeline's bitwise (sorted), and the
+reference's too where every score is exact (multiples of 1/8); on random values, whose sums round,
+the reference agrees by the near-tie rule. sorted=False gives each row's same entries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyscale_compile.runtime import hytopk, plan, reference
+from hyscale_compile.runtime.plan import Tuning, make_plan
+from hyscale_compile.runtime.problem import Problem
+from hyscale_compile.runtime.reference import Visibility
+from hyscale_compile.testing import assert_same_topk
+
+NEG_INF = float("-inf")
+PIPELINE, TABLE = Tuning(table=False), Tuning(table=True)
+
+
+def eighths(shape, gen, dtype=torch.bfloat16, lo=-4, hi=5):
+    return (torch.randint(lo, hi, shape, generator=gen) / 8).to(dtype)
+
+
+def exact_inputs(B=2, T=5, H=2, D=16, S=300, dtype=torch.bfloat16, weights=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, kx = eighths((B, T, H, D), g, dtype), eighths((B, S, D), g, dtype)
+    w = (torch.randint(-2, 3, (B, T, H), generator=g) / 4).float() if weights else None
+    return q, kx, w
+
+
+def random_inputs(B=2, T=5, H=3, D=32, S=300, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, H, D, generator=g).to(dtype), torch.randn(B, S, D, generator=g).to(dtype),
+            torch.randn(B, T, H, generator=g))
+
+
+def bits(v: torch.Tensor) -> torch.Tensor:
+    return v.view(torch.int32)
+
+
+def by_position(v: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    i, order = i.sort(dim=-1)
+    return v.gather(-1, order), i
+
+
+ALL_VISIBLE = Visibility()
+
+
+def routes(q, kx, w, k, vis=ALL_VISIBLE, fill=NEG_INF, scale=0.5, relu=True, exact=True):
+    """Both routes and the reference; returns the table route's (values, indices)."""
+    args = (q, kx, w, k, scale, relu, vis, fill)
+    pv, pi = hytopk.select(*args, tuning=PIPELINE)
+    tv, ti = hytopk.select(*args, tuning=TABLE)
+    assert torch.equal(bits(tv), bits(pv)), f"values differ from the pipeline's:\n{tv}\n{pv}"
+    assert torch.equal(ti, pi), f"indices differ from the pipeline's:\n{ti}\n{pi}"
+    rv, ri = reference.select(*args)
+    if exact:  # NaN as any NaN (the reference keeps a NaN's bits, the kernels give the canonical one)
+        same = (tv == rv) | (tv.isnan() & rv.isnan())
+        assert bool(same.all()) and torch.equal(ti, ri), f"reference differs:\n{tv}\n{rv}\n{ti}\n{ri}"
+    else:
+        assert_same_topk(tv, ti, rv, ri)
+    uv, ui = hytopk.select(*args, sorted=False, tuning=TABLE)
+    (sv, si), (wv, wi) = by_position(uv, ui), by_position(tv, ti)
+    assert torch.equal(si, wi) and torch.equal(bits(sv), bits(wv)), "sorted=False: not the same entries"
+    return tv, ti
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_random_values_causal(dtype):
+    """Fresh random values (sums that round): only the same arithmetic gives the pipeline's bits."""
+    q, kx, w = random_inputs(dtype=dtype, seed=1)
+    routes(q, kx, w, 37, Visibility(causal=True, offset=295), scale=32**-0.5, exact=False)
+
+
+def test_exact_values_match_reference():
+    q, kx, w = exact_inputs(seed=2)
+    routes(q, kx, w, 37, Visibility(causal=True, offset=295))
+    routes(q, kx, w, 20, relu=False)  # no causal mask, no ReLU
+
+
+@pytest.mark.parametrize("weights,scale,relu", [(False, 0.5, True), (True, -0.25, True), (False, -0.5, False)])
+def test_one_head_no_weights_negative_scale(weights, scale, relu):
+    q, kx, w = exact_inputs(B=1, T=3, H=1, S=200, weights=weights, seed=3)
+    routes(q, kx, w, 13, Visibility(causal=True, offset=197), scale=scale, relu=relu)
+
+
+def test_ties_all_equal_and_duplicate_keys():
+    q, kx, w = exact_inputs(B=1, T=4, S=260, seed=4)
+    routes(q, kx[:, :1].expand(1, 260, 16).contiguous(), w, 40)  # every key scores the same: positions decide
+    g = torch.Generator().manual_seed(5)
+    routes(q, kx[:, torch.randint(0, 4, (260,), generator=g)], w, 40, Visibility(causal=True, offset=250))
+
+
+def test_relu_zeros():
+    """Most keys score 0 after the ReLU (the k-th value is 0), and -0.0 equals +0.0."""
+    q, kx, w = exact_inputs(B=1, T=4, S=260, seed=6)
+    q, kx, w = q.abs() + 0.125, -(kx.abs() + 0.125), w.abs()
+    kx[:, [7, 50, 51, 90, 140]] *= -1
+    _, i = routes(q, kx, w, 21)
+    assert (i[..., :5].sort(-1).values == torch.tensor([7, 50, 51, 90, 140])).all()
+    routes(-q, kx, w, 21, relu=False)  # negative scores: -0.0 never below +0.0
+
+
+def test_nan_and_inf():
+    q, kx, w = exact_inputs(B=1, T=4, S=150, seed=7)
+    q[0, 1, 0, 2] = float("nan")  # row 1: every score NaN (ranks above +inf)
+    q[0, 2, 1, 0] = float("inf")
+    kx[0, 11, 3] = float("nan")
+    routes(q, kx, w, 9, relu=False)
+    routes(q, kx, w, 9, Visibility(causal=True, offset=140))
+
+
+@pytest.mark.parametrize("fill", [NEG_INF, -1.0, 0.0, float("inf"), float("nan")])
+def test_few_visible_keys(fill):
+    """More queries than keys and a causal offset below 0: early rows see fewer than k keys or none; their
+    masked picks follow, lowest position first, with the fill (which may outrank every visible key)."""
+    q, kx, w = exact_inputs(B=1, T=9, S=7, seed=8)
+    routes(q, kx, w, 5, Visibility(causal=True, offset=-3), fill=fill)
+
+
+def test_all_masked_rows_mask_and_bias():
+    B, T, S = 2, 5, 140
+    q, kx, w = exact_inputs(B=B, T=T, S=S, seed=9)
+    g = torch.Generator().manual_seed(10)
+    mask = torch.rand(B, T, S, generator=g) > 0.3
+    mask[1, 2] = False  # a row with no visible key
+    key_mask = torch.rand(B, 1, S, generator=g) > 0.4  # padding: one mask over the keys of each sequence
+    bias = eighths((T, S), g).float()
+    bias[1, 3] = NEG_INF
+    bias[2, 5] = float("nan")
+    routes(q, kx, w, 11, Visibility(mask=mask), fill=-2.0)
+    routes(q, kx, w, 11, Visibility(causal=True, offset=130, mask=key_mask, bias=bias))
+    routes(q, kx, w, 11, Visibility(bias=eighths((B, 1, S), g, torch.float16), mask=key_mask[:, :, :1].expand(
+        B, 1, S)), fill=0.5)
+
+
+def test_windows_and_per_sequence_offsets():
+    B, T, S = 2, 6, 170
+    q, kx, w = exact_inputs(B=B, T=T, S=S, seed=11)
+    starts = torch.tensor([[0, 2, 50, 90, 168, 3], [1, 1, 1, 0, 129, 169]])
+    ends = torch.tensor([[4, 170, 120, 100, 170, 3], [170, 2, 25, 170, 140, 170]])
+    routes(q, kx, w, 9, Visibility(starts=starts, ends=ends), fill=-5.0)
+    routes(q, kx, w, 9, Visibility(causal=True, offsets=torch.tensor([3, 160]), starts=starts))
+
+
+def test_ranges_one_key_into_a_tile():
+    """Ranges [127, 129) and [255, 257): one key in the last position of a key tile and one in the first of
+    the next (128 keys a tile). A tile outside every range of its query block is not scored; these are in."""
+    q, kx, w = exact_inputs(B=1, T=2, S=300, seed=16)
+    routes(q, kx, w, 6, Visibility(starts=torch.tensor([[127, 255]]), ends=torch.tensor([[129, 257]])), fill=-9.0)
+
+
+def test_additive_causal():
+    q, kx, w = exact_inputs(B=2, T=5, S=140, seed=12)
+    q[0, 2, 1, 3] = float("nan")  # NaN behind the additive mask stays NaN (ranks first)
+    routes(q, kx, w, 8, Visibility(causal=True, offset=130, causal_additive=True))
+
+
+def test_odd_sizes():
+    """S not a multiple of the key tile, T of the query tile, k not a power of two, k = S."""
+    q, kx, w = exact_inputs(B=1, T=67, H=3, D=24, S=131, seed=13)
+    routes(q, kx, w, 19, Visibility(causal=True, offset=70))
+    q, kx, w = exact_inputs(B=1, T=1, H=3, D=24, S=37, seed=14)
+    routes(q, kx, w, 37)
+
+
+def _problem(B, T, S, H=64, D=128):
+    """A Problem of the given sizes over broadcast views (no memory of that size): for the plan only."""
+    q = torch.zeros(1, 1, 1, D, dtype=torch.bfloat16).expand(B, T, H, D)
+    kx = torch.zeros(1, 1, D, dtype=torch.bfloat16).expand(B, S, D)
+    return Problem(q, kx, None, 1.0, True, Visibility(causal=True, offset=S - T), NEG_INF)
+
+
+def test_plan_routes_decode_to_the_table_and_prefill_to_the_pipeline():
+    for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 64, 131072), (1, 1, 1 << 20), (8, 1, 131072)]:
+        assert make_plan(_problem(B, T, S), 2048).table, (B, T, S)
+    for B, T, S in [(1, 4096, 131072), (1, 65, 131072), (1, 16, 1 << 20), (2, 4096, 8192)]:
+        assert not make_plan(_problem(B, T, S), 2048).table, (B, T, S)
+    assert plan.table_route(1, plan.TABLE_MAX_BYTES // 8) and not plan.table_route(1, plan.TABLE_MAX_BYTES // 8 + 1)
+    decode, prefill = _problem(1, 1, 32768), _problem(1, 4096, 131072)
+    assert not make_plan(decode, 2048, PIPELINE).table and make_plan(prefill, 2048, TABLE).table  # forced
+    assert make_plan(decode, 2048).filter_options == {}  # the table route builds no descriptors
+
+
+def test_operator_takes_the_table_route():
+    """Through the operator (what a compiled model calls): a small call is the table route's, bitwise."""
+    from hyscale_compile.runtime import dispatch
+
+    q, kx, w = random_inputs(B=1, T=3, S=200, seed=15)
+    with dispatch.force_backend("triton"):
+        v, i = torch.ops.hyscale.select(q, kx, w, 16, 0.25, True, True, 197, None, None, None, None, None, NEG_INF,
+                                        True)
+    tv, ti = hytopk.select(q, kx, w, 16, 0.25, True, Visibility(causal=True, offset=197), NEG_INF, tuning=TABLE)
+    assert torch.equal(bits(v), bits(tv)) and torch.equal(i, ti)
