@@ -19,9 +19,10 @@ and times that host work without a device, for both routes of ``plan.Plan.table`
                     ops run on CPU tensors here; on CUDA that work is the device's): host_us less it is host work
 
 What this does not show: the launches' own host cost (Triton's launcher, the driver: tens of microseconds each
-on CUDA, stubbed here), the CUDA caching allocator (CPU allocations here; the table route's [R, S] table is a
-CPU allocation here), and the device time. On the table route torch.topk is replaced by an empty result of its
-shape while timing: on CPU tensors it would time the CPU's sort of the table, not host work; on CUDA it is one op.
+on CUDA, stubbed here), the CUDA caching allocator (CPU allocations here, kept in the process between calls as
+that allocator keeps its blocks: ``keep_freed_memory``), and the device time. On the table route torch.topk is
+replaced by an empty result of its shape while timing: on CPU tensors it would time the CPU's sort of the table,
+not host work; on CUDA it is one op.
 
     python benchmarks/host_overhead.py            # -> results/host_overhead.json
     python benchmarks/host_overhead.py --smoke    # tiny shapes, prints only
@@ -35,6 +36,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # the compiled path's host code (launc
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import ctypes  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -78,6 +80,16 @@ def stubbed(table_max: int | None):
             yield
     finally:
         JITFunction.run, torch.topk, plan.TABLE_MAX_BYTES = run, topk, old_max
+
+
+def keep_freed_memory() -> None:
+    """glibc only: keep freed memory in the process (no heap trim; the heap, not fresh mappings, up to 32 MiB),
+    as CUDA's caching allocator keeps its blocks. Otherwise each call's CPU buffers come back as fresh pages,
+    and their page faults (slow and erratic on a VM: up to 10x run to run) are timed as host work."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (its largest)
 
 
 def per_call_us(fn, calls: int, repeats: int) -> float:
@@ -189,6 +201,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--out", default=str(HERE / "results" / "host_overhead.json"))
     args = ap.parse_args()
+    keep_freed_memory()
     shapes = [(T, S, H, D, K) for S in DECODE_S for T in DECODE_T]
     if args.smoke:
         shapes, args.calls, args.repeats = [(1, 512, 2, 16, 16), (4, 512, 2, 16, 16)], 3, 1
