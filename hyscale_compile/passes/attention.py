@@ -223,7 +223,7 @@ def cost_shape(site: sites_.Site, latent) -> cost_.Shape | None:
     """The site's sizes for the estimate (None when one is symbolic with no traced size)."""
     att = site.attention
     q, k, v = shape(att.q), shape(att.k), shape(att.v)
-    if q is None or k is None or v is None:
+    if q is None or k is None or v is None or not len(q) == len(k) == len(v) == 4:
         return None
     B, H, T, Dqk = (cost_.size_hint(x) for x in q)
     S, Dv, K = cost_.size_hint(k[2]), cost_.size_hint(v[3]), cost_.size_hint(site.k)
@@ -247,10 +247,10 @@ def _check_pays(site: sites_.Site, latent, always: bool) -> str:
     s = cost_shape(site, latent)
     if s is None:
         if always:
-            return "no estimate (a size is symbolic and was not traced): rewritten as options['attention'] is 'always'"
-        raise Reject("the sizes are symbolic with no traced value, so whether the sparse op is faster than the "
-                     "model's dense attention cannot be estimated; options['attention'] = 'always' rewrites it "
-                     "anyway", site.scatter)
+            return "no estimate (a size is not known): rewritten as options['attention'] is 'always'"
+        raise Reject("the attention's sizes are not all known (symbolic with no traced value), so whether the sparse "
+                     "op is faster than the model's dense attention cannot be estimated; options['attention'] = "
+                     "'always' rewrites it anyway", site.scatter)
     faster, words = cost_.pays(s)
     if faster:
         return words
