@@ -120,3 +120,15 @@ def test_the_environment_sets_the_default(monkeypatch):
     assert cost.always()
     monkeypatch.setenv("HYSCALE_ATTENTION", "")
     assert not cost.always()
+
+
+@pytest.mark.parametrize("grad_mode, requires_grad, expected", [
+    (True, True, "a training step"), (False, True, "a forward"), (True, False, "a forward")])
+def test_training_or_inference_as_autograd_decides(monkeypatch, grad_mode, requires_grad, expected):
+    """A backward is counted where AOT autograd builds one: grad mode on and an operand that requires grad."""
+    monkeypatch.delenv("HYSCALE_ATTENTION", raising=False)
+    module, args = da.make("sdpa_bool", requires_grad=requires_grad)
+    with torch.set_grad_enabled(grad_mode), report.collect() as reports:
+        torch.compile(module, backend="hyscale", options={"compiler": "eager"})(*args)
+    sites = [r for r in reports if r.kind == "attention"]
+    assert sites and f"({expected}, B=" in sites[0].reason, sites[0].reason

@@ -229,7 +229,9 @@ def cost_shape(site: sites_.Site, latent) -> cost_.Shape | None:
     S, Dv, K = cost_.size_hint(k[2]), cost_.size_hint(v[3]), cost_.size_hint(site.k)
     if None in (B, H, T, Dqk, S, Dv, K):
         return None
-    training = any(getattr(value(x), "requires_grad", True) for x in (att.q, att.k, att.v))
+    # as AOT autograd decides whether to build a backward: grad mode at compile time (Dynamo guards on it) and
+    # an operand that requires grad
+    training = torch.is_grad_enabled() and any(getattr(value(x), "requires_grad", True) for x in (att.q, att.k, att.v))
     common = dict(B=B, T=T, S=S, H=H, k=K, itemsize=att.dtype.itemsize, training=training, eager=att.kind == "eager",
                   dense_Dqk=Dqk, dense_Dv=Dv)
     if latent is not None:
