@@ -31,36 +31,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 import training  # noqa: E402  (the layer, inputs and shapes of the training benchmark)
+from host_timers import host_timers  # noqa: E402
 
 from hyscale_compile.runtime import hytopk  # noqa: E402
 from hyscale_compile.runtime import sparse_backward as sb  # noqa: E402
 
-
-def timed_entries() -> tuple[dict, callable]:
-    """Wrap the runtime entries the ops call (on CUDA: dispatch hands out these modules) with host timers;
-    returns the totals and an undo."""
-    totals: dict[str, float] = {}
-    patched = [(hytopk, "select"), (hytopk, "rescore"), (sb, "sparse_backward")]
-    originals = [(mod, name, getattr(mod, name)) for mod, name in patched]
-
-    def wrap(name, fn):
-        def inner(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                totals[name] = totals.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
-
-        return inner
-
-    for mod, name, fn in originals:
-        setattr(mod, name, wrap(name, fn))
-
-    def undo():
-        for mod, name, fn in originals:
-            setattr(mod, name, fn)
-
-    return totals, undo
+# The runtime entries the ops call (on CUDA: dispatch hands out these modules).
+ENTRIES = [(hytopk, "select", "select"), (hytopk, "rescore", "rescore"), (sb, "sparse_backward", "sparse_backward")]
 
 
 def write_profile(path: str, fn, inputs, iters: int) -> None:
@@ -118,14 +95,11 @@ def main() -> None:
     if device == "cuda":
         row["kernel_ms"] = sum(us for _, us in training.device_records(lambda: fn(*inputs).backward())) / 1e3
 
-    totals, undo = timed_entries()
-    try:
+    with host_timers(ENTRIES) as totals:
         for _ in range(args.iters):
             fn(*inputs).backward()
         sync()
-    finally:
-        undo()
-    row["host_ms_in"] = {name: v / args.iters for name, v in totals.items()}
+    row["host_ms_in"] = {name: v * 1e3 / args.iters for name, v in totals.items()}
 
     if args.cprofile:
         write_profile(args.cprofile, fn, inputs, args.iters)

@@ -24,8 +24,8 @@ that allocator keeps its blocks: ``keep_freed_memory``), and the device time. On
 replaced by an empty result of its shape while timing: on CPU tensors it would time the CPU's sort of the table,
 not host work; on CUDA it is one op.
 
-    python benchmarks/host_overhead.py            # -> results/host_overhead.json
-    python benchmarks/host_overhead.py --smoke    # tiny shapes, prints only
+    python benchmarks/decode_host.py            # -> results/decode_host.json
+    python benchmarks/decode_host.py --smoke    # tiny shapes, prints only
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+from host_timers import host_timers  # noqa: E402
+
 import hyscale_compile  # noqa: E402
 from hyscale_compile.lowering import ops  # noqa: E402
 from hyscale_compile.runtime import dispatch, hytopk, plan, table_path  # noqa: E402
@@ -118,31 +120,10 @@ def top_level_ops(fn) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-@contextlib.contextmanager
-def timed_parts(totals: dict):
-    """Wrap the entries a call goes through with timers (their own runs: the wrappers cost a little)."""
-    patched = [(ops, "check_inputs", "op_checks"), (hytopk, "Problem", "problem"), (hytopk, "make_plan", "plan"),
-               (hytopk, "candidates", "pipeline_stages"), (table_path, "select", "table_route"),
-               (hytopk, "recover", "recover"), (hytopk, "select", "hytopk_select")]
-    originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
-
-    def wrap(label, fn):
-        def inner(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t0
-
-        return inner
-
-    for (mod, name, label), (_, _, fn) in zip(patched, originals):
-        setattr(mod, name, wrap(label, fn))
-    try:
-        yield
-    finally:
-        for mod, name, fn in originals:
-            setattr(mod, name, fn)
+# The entries a call goes through, timed in runs of their own (the wrappers cost a little).
+PARTS = [(ops, "check_inputs", "op_checks"), (hytopk, "Problem", "problem"), (hytopk, "make_plan", "plan"),
+         (hytopk, "candidates", "pipeline_stages"), (table_path, "select", "table_route"),
+         (hytopk, "recover", "recover"), (hytopk, "select", "hytopk_select")]
 
 
 def measure(T: int, S: int, heads: int, dim: int, k: int, route: str | None, calls: int, repeats: int) -> dict:
@@ -169,8 +150,7 @@ def measure(T: int, S: int, heads: int, dim: int, k: int, route: str | None, cal
         row["host_us"] = round(per_call_us(call, calls, repeats), 1)
         parts: dict[str, float] = {}
         for _ in range(repeats):  # each part's fastest run
-            totals: dict[str, float] = {}
-            with timed_parts(totals):
+            with host_timers(PARTS) as totals:
                 for _ in range(calls):
                     call()
             for name, v in totals.items():
@@ -199,7 +179,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few calls, prints only")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=21)
-    ap.add_argument("--out", default=str(HERE / "results" / "host_overhead.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "decode_host.json"))
     args = ap.parse_args()
     keep_freed_memory()
     shapes = [(T, S, H, D, K) for S in DECODE_S for T in DECODE_T]
