@@ -219,7 +219,7 @@ def _check_gain(site: sites_.Site) -> None:
                      site.scatter)
 
 
-def cost_shape(site: sites_.Site, latent) -> cost_.Shape | None:
+def _cost_shape(site: sites_.Site, latent) -> cost_.Shape | None:
     """The site's sizes for the estimate (None when one is symbolic with no traced size)."""
     att = site.attention
     q, k, v = shape(att.q), shape(att.k), shape(att.v)
@@ -246,7 +246,7 @@ def cost_shape(site: sites_.Site, latent) -> cost_.Shape | None:
 def _check_pays(site: sites_.Site, latent, always: bool) -> str:
     """Leave the attention dense where the op is estimated slower than the model's (``attention_cost``); the
     estimate in words for the report."""
-    s = cost_shape(site, latent)
+    s = _cost_shape(site, latent)
     if s is None:
         if always:
             return "no estimate (a size is not known): rewritten as options['attention'] is 'always'"
