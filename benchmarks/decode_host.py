@@ -24,7 +24,17 @@ that allocator keeps its blocks: ``keep_freed_memory``), and the device time. On
 replaced by an empty result of its shape while timing: on CPU tensors it would time the CPU's sort of the table,
 not host work; on CUDA it is one op.
 
+With ``--cuda`` (on the device) nothing is stubbed: the same calls run for real, and each row gives the host
+time as the device's process spends it (the launches, the driver and the caching allocator included):
+
+    host_us         microseconds to issue one call (``calls`` calls issued back to back, no synchronization
+                    inside; the fastest of the repeats): an eager call is host-bound where this passes its
+                    device time
+    parts_us        the same split by entry, as above
+    top_ops         the aten ops and launches of one call by their host (self CPU) microseconds (profiler)
+
     python benchmarks/decode_host.py            # -> results/decode_host.json
+    python benchmarks/decode_host.py --cuda     # on the device -> results/decode_host_cuda.json
     python benchmarks/decode_host.py --smoke    # tiny shapes, prints only
 """
 
@@ -37,6 +47,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # the compiled path's host code (launc
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import ctypes  # noqa: E402
+import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -166,6 +177,59 @@ def measure(T: int, S: int, heads: int, dim: int, k: int, route: str | None, cal
     return row
 
 
+def measure_cuda(T: int, S: int, heads: int, dim: int, k: int, route: str | None, calls: int,
+                 repeats: int) -> dict:
+    """The host time of real calls on CUDA (module docstring, ``--cuda``)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, T, heads, dim, generator=g, device="cuda").bfloat16()
+    kx = torch.randn(1, S, dim, generator=g, device="cuda").bfloat16()
+    w = torch.randn(1, T, heads, generator=g, device="cuda")
+
+    def call():
+        return hyscale_compile.indexer_topk(q, kx, k, weights=w, scale=dim**-0.5, query_offset=S - T, sorted=True)
+
+    row = dict(T=T, S=S, H=heads, D=dim, k=k, route=route or "default")
+    old_max = plan.TABLE_MAX_BYTES
+    if route is not None:
+        plan.TABLE_MAX_BYTES = ROUTES[route]
+    try:
+        pb = hytopk.Problem(q, kx, w, dim**-0.5, True, hytopk.Visibility(causal=True, offset=S - T), float("-inf"))
+        row["table"] = hytopk.make_plan(pb, k).table
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+
+        def issue() -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            dt = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            return dt / calls * 1e6
+
+        row["host_us"] = round(min(issue() for _ in range(repeats)), 1)
+        parts: dict[str, float] = {}
+        for _ in range(repeats):
+            with host_timers(PARTS) as totals:
+                issue()
+            for name, v in totals.items():
+                parts[name] = min(parts.get(name, float("inf")), round(v / calls * 1e6, 1))
+        row["parts_us"] = parts
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        ops = {}
+        for e in prof.key_averages():
+            if e.key.startswith(("aten::", "cuda", "triton", "hyscale")) or "kernel" in e.key:
+                ops[e.key] = round(e.self_cpu_time_total / calls, 1)
+        row["top_ops"] = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:16])
+    finally:
+        plan.TABLE_MAX_BYTES = old_max
+    return row
+
+
 def cpu_model() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -177,10 +241,13 @@ def cpu_model() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few calls, prints only")
+    ap.add_argument("--cuda", action="store_true", help="real calls on the device, nothing stubbed")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=21)
-    ap.add_argument("--out", default=str(HERE / "results" / "decode_host.json"))
+    ap.add_argument("--out", default=None, help="default results/decode_host.json (--cuda: decode_host_cuda.json)")
     args = ap.parse_args()
+    if args.cuda:
+        return main_cuda(args)
     keep_freed_memory()
     shapes = [(T, S, H, D, K) for S in DECODE_S for T in DECODE_T]
     if args.smoke:
@@ -198,8 +265,22 @@ def main() -> None:
     if not args.smoke:
         from training import write_results
 
-        write_results(args.out, "cpu", rows, cpu=cpu_model(), calls=args.calls, repeats=args.repeats,
+        out = args.out or str(HERE / "results" / "decode_host.json")
+        write_results(out, "cpu", rows, cpu=cpu_model(), calls=args.calls, repeats=args.repeats,
                       what="host work per indexer_topk call with Triton launches stubbed (module docstring)")
+
+
+def main_cuda(args) -> None:
+    calls, repeats = min(args.calls, 20), min(args.repeats, 7)
+    rows = []
+    for T, S, H_, D_, k in [(T, S, H, D, K) for S in DECODE_S for T in DECODE_T]:
+        for route in ("pipeline", "table"):
+            rows.append(measure_cuda(T, S, H_, D_, k, route, calls, repeats))
+            print(json.dumps(rows[-1]), flush=True)
+    from training import write_results
+
+    write_results(args.out or str(HERE / "results" / "decode_host_cuda.json"), "cuda", rows, calls=calls,
+                  repeats=repeats, what="host work per real indexer_topk call on the device (--cuda)")
 
 
 if __name__ == "__main__":
