@@ -126,14 +126,14 @@ def table_topk(q, kx, w, scale, vis, k: int):
     import floor
 
     pb = hytopk.Problem(q, kx, w, scale, True, vis, float("-inf"))
-    chosen = hytopk.make_plan(pb, k)
+    split = plan.filter_split(pb, plan.device_programs(pb.device))  # the filter's grid (on either route)
     table = torch.empty(pb.rows, pb.S, device=q.device, dtype=torch.float32)
 
     def run():
-        floor.table(pb, table, chosen.filter_split)
+        floor.table(pb, table, split)
         return table
 
-    return run, chosen.table
+    return run, hytopk.make_plan(pb, k).table
 
 
 def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, offsets=None) -> dict:

@@ -40,7 +40,7 @@ from .env import interpreting
 from .filter import filter_rows
 from .final_select import select_composites, select_rows, select_rows_reference
 from .final_sort import decode, sort_width
-from .plan import DEFAULT, Plan, Tuning, make_plan
+from .plan import DEFAULT, Plan, Tuning, make_plan, table_plan, table_route
 from .problem import Problem
 from .recover import recover
 from .reference import Visibility
@@ -66,7 +66,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
         return (torch.empty(B, T, k, dtype=torch.float32, device=q.device),
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = Problem(q, kx, weights, scale, relu, vis, fill, tuning.tile)
-    plan = make_plan(pb, k, tuning)
+    plan = table_plan(k) if table_route(pb.rows, pb.S, tuning) else make_plan(pb, k, tuning)
     if plan.table:  # a small problem: its composite table and torch.topk (table_path.py)
         values, indices = table_path.select(pb, plan, sorted)
         return values.view(B, T, k), indices.view(B, T, k)

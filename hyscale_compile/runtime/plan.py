@@ -21,8 +21,9 @@ from .score_tile import TileConfig
 RESERVED_APPEND_MAX_HEADS = 32  # up to this many heads the filter reserves slots at any share (see append_kind)
 # The table route (table_path.py) up to this size of the int64 composite table [R, S]: the table is then small
 # enough that writing it and running torch.topk over it costs less than the pipeline's fixed launches and host
-# work, which dominate a decode step (one or a few query rows). Past it the table is what the pipeline saves.
-TABLE_MAX_BYTES = 64 << 20
+# work, which dominate a decode step (one or a few query rows). Past it the table is what the pipeline saves
+# (benchmarks/NOTES-selection.md, "Defaults and the measurements behind them": table route).
+TABLE_MAX_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Plan:
     asm: bool  # the appends' steps in PTX (not under the interpreter)
     filter_options: dict  # the filter's launch options beyond its tile's
     row_lists: bool  # the final select keeps its lists in the rows' unused slots
-    table: bool = False  # the table route (table_path.py) instead of the pipeline: the fields above then go unused
+    table: bool = False  # the table route (table_path.py) instead of the pipeline: the fields above go unused
 
     @property
     def width(self) -> int:
@@ -86,6 +87,14 @@ def make_plan(pb: Problem, k: int, tuning: Tuning = DEFAULT) -> Plan:
                 # the table route runs no filter: its descriptors are not even built
                 filter_options={} if table else filter_options(pb.tile, bool(pb.descriptors), append, asm),
                 row_lists=row_lists(k, pb.S, target, cap, pb.vis), table=table)
+
+
+def table_plan(k: int) -> Plan:
+    """The plan of a call that takes the table route, which reads k alone: what ``select`` runs (make_plan's
+    pipeline sizes and launch choices would be host work for nothing on a decode step; benchmarks and tests
+    that run pipeline stages on such sizes still get them from make_plan)."""
+    return Plan(k=k, target=0, capacity=0, samples=0, sampled=False, programs=0, sample_split=0, filter_split=0,
+                append=0, asm=False, filter_options={}, row_lists=False, table=True)
 
 
 def table_route(rows: int, S: int, tuning: Tuning = DEFAULT) -> bool:

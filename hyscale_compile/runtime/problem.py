@@ -31,7 +31,7 @@ class Problem:
         self.q, self.kx, self.w = _operands(q, kx, weights, float(scale))
         self.device = q.device
         self.vis = vis = additive_causal.as_bias(vis, q, kx, weights, float(scale), float(fill))
-        dummy = torch.empty(1, dtype=torch.float32, device=self.device)  # never read: its flag (HAS_*) is off
+        dummy = _dummy(self.device)  # never read: its flag (HAS_*) is off
         self.lo, self.hi = ranges(vis, self.B, self.T, self.S, self.device)
         self.mask, mstr, self.bias, bstr = _aux(vis, self.B, self.T, self.S, dummy)
         wt = self.w if self.w is not None else dummy
@@ -88,13 +88,9 @@ def _operands(q: Tensor, kx: Tensor, weights: Tensor | None,
 
 def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Each row's key range [lo, hi) from causal and windows (int64 [B, T]); lo <= hi always."""
+    if vis.starts is None and vis.ends is None and vis.offsets is None:  # a function of the sizes alone
+        return _static_ranges(B, T, S, bool(vis.causal), int(vis.offset), device)
     lo = torch.zeros(B, T, dtype=torch.int64, device=device)
-    if vis.starts is None and vis.ends is None and vis.offsets is None:  # the common case in three ops, not eight
-        if not vis.causal:
-            return lo, torch.full((B, T), S, dtype=torch.int64, device=device)
-        first = vis.offset + 1  # row t sees the keys below t + offset + 1
-        hi = torch.arange(first, first + T, dtype=torch.int64, device=device).clamp_(0, S)
-        return lo, hi.view(1, T) if B == 1 else hi.expand(B, T).contiguous()
     hi = torch.full((B, T), S, dtype=torch.int64, device=device)
     if vis.causal:
         lim = torch.arange(T, device=device, dtype=torch.int64).view(1, T) + (vis.offset + 1)
@@ -108,6 +104,66 @@ def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tup
     lo = lo.clamp(0, S)
     hi = torch.maximum(hi.clamp(0, S), lo)
     return lo.contiguous(), hi.contiguous()
+
+
+def _static_ranges(B: int, T: int, S: int, causal: bool, offset: int,
+                   device: torch.device) -> tuple[Tensor, Tensor]:
+    """Ranges that follow from the sizes alone (causal with an int offset, or none), kept per sizes: a decode
+    step asks for the same ones every call, and building them is three launches of host work. Kept only when
+    built outside a CUDA graph capture: a tensor made during capture holds its values only once the graph
+    replays. Nothing writes them (the kernels only read lo and hi)."""
+    key = (B, T, S, causal, offset, device)
+    got = _RANGES.get(key)
+    if got is not None:
+        return got
+    lo = _zeros(B, T, device)
+    if not causal:
+        got = lo, torch.full((B, T), S, dtype=torch.int64, device=device)
+    else:
+        first = offset + 1  # row t sees the keys below t + offset + 1
+        hi = torch.arange(first, first + T, dtype=torch.int64, device=device).clamp_(0, S)
+        got = lo, hi.view(1, T) if B == 1 else hi.expand(B, T).contiguous()
+    if not _capturing(device):
+        if len(_RANGES) >= _RANGES_MAX:  # decode steps grow the offset by one a call: keep the newest
+            _RANGES.pop(next(iter(_RANGES)))
+        _RANGES[key] = got
+    return got
+
+
+_RANGES: dict[tuple, tuple[Tensor, Tensor]] = {}
+_RANGES_MAX = 64
+_DUMMIES: dict[torch.device, Tensor] = {}
+
+
+def _zeros(B: int, T: int, device: torch.device) -> Tensor:
+    """lo of every row without windows: zeros of [B, T] int64, kept per size (a decode step's offset changes
+    every call, its row count does not). Read-only, as _static_ranges."""
+    key = (B, T, device)
+    got = _ZEROS.get(key)
+    if got is None:
+        got = torch.zeros(B, T, dtype=torch.int64, device=device)
+        if not _capturing(device):
+            if len(_ZEROS) >= _RANGES_MAX:
+                _ZEROS.pop(next(iter(_ZEROS)))
+            _ZEROS[key] = got
+    return got
+
+
+_ZEROS: dict[tuple, Tensor] = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _dummy(device: torch.device) -> Tensor:
+    """One fp32 element per device for the pointers whose flag is off (never read, never written)."""
+    got = _DUMMIES.get(device)
+    if got is None:
+        got = torch.empty(1, dtype=torch.float32, device=device)
+        if not _capturing(device):
+            _DUMMIES[device] = got
+    return got
 
 
 def _aux(vis: Visibility, B: int, T: int, S: int, dummy: Tensor) -> tuple[Tensor, tuple, Tensor, tuple]:

@@ -177,14 +177,15 @@ def _problem(B, T, S, H=64, D=128):
 
 
 def test_plan_routes_decode_to_the_table_and_prefill_to_the_pipeline():
-    for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 64, 131072), (1, 1, 1 << 20), (8, 1, 131072)]:
+    for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 32, 131072), (1, 4, 1 << 20), (8, 1, 131072)]:
         assert make_plan(_problem(B, T, S), 2048).table, (B, T, S)
-    for B, T, S in [(1, 4096, 131072), (1, 65, 131072), (1, 16, 1 << 20), (2, 4096, 8192)]:
+    for B, T, S in [(1, 4096, 131072), (1, 64, 131072), (1, 256, 32768), (1, 16, 1 << 20), (2, 4096, 8192)]:
         assert not make_plan(_problem(B, T, S), 2048).table, (B, T, S)
     assert plan.table_route(1, plan.TABLE_MAX_BYTES // 8) and not plan.table_route(1, plan.TABLE_MAX_BYTES // 8 + 1)
     decode, prefill = _problem(1, 1, 32768), _problem(1, 4096, 131072)
     assert not make_plan(decode, 2048, PIPELINE).table and make_plan(prefill, 2048, TABLE).table  # forced
     assert make_plan(decode, 2048).filter_options == {}  # the table route builds no descriptors
+    assert plan.table_plan(2048).table and plan.table_plan(2048).k == 2048  # what select runs there
 
 
 def test_operator_takes_the_table_route():
@@ -197,3 +198,22 @@ def test_operator_takes_the_table_route():
                                         True)
     tv, ti = hytopk.select(q, kx, w, 16, 0.25, True, Visibility(causal=True, offset=197), NEG_INF, tuning=TABLE)
     assert torch.equal(bits(v), bits(tv)) and torch.equal(i, ti)
+
+
+def test_ranges_kept_per_sizes_are_the_computed_ones():
+    """Causal ranges with an int offset are kept per sizes (a decode step's host work): each equals the ranges
+    computed afresh, a new offset gets its own, and the kept lo is shared, never written."""
+    from hyscale_compile.runtime import problem
+
+    cpu = torch.device("cpu")
+    for B, T, S, off in [(1, 1, 50, 49), (1, 1, 50, 20), (2, 3, 40, 37), (1, 4, 40, -2), (1, 4, 40, 60)]:
+        for causal in (True, False):
+            vis = Visibility(causal=causal, offset=off)
+            lo, hi = problem.ranges(vis, B, T, S, cpu)
+            again = problem.ranges(vis, B, T, S, cpu)
+            assert again[0] is lo and again[1] is hi  # kept
+            want_hi = (torch.arange(T) + off + 1).clamp(0, S) if causal else torch.full((T,), S)
+            assert torch.equal(lo.expand(B, T), torch.zeros(B, T, dtype=torch.int64))
+            assert torch.equal(hi.expand(B, T), want_hi.expand(B, T)), (B, T, S, off, causal)
+    windows = Visibility(causal=True, offset=5, starts=torch.tensor([[2]]))  # windows: computed every call
+    assert problem.ranges(windows, 1, 1, 10, cpu)[0] is not problem.ranges(windows, 1, 1, 10, cpu)[0]
