@@ -64,6 +64,16 @@ def sort_warps(kp: int) -> int:
     return 1 if kp <= 512 else max(4, min(16, kp // 128))
 
 
+def decode_values(comp: Tensor) -> Tensor:
+    """Composites -> canonical fp32 values alone (three element-wise ops): where the positions are known
+    otherwise (torch.topk's indices over a table indexed by position)."""
+    key = comp.view(torch.int32).unflatten(-1, (-1, 2))[..., 1]
+    bits = key >> 31
+    bits &= 0x7FFFFFFF
+    bits ^= key
+    return bits.view(torch.float32)
+
+
 def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
     """Composites -> (canonical fp32 values, int64 positions), working on the 32-bit halves.
 

@@ -11,10 +11,10 @@ same tile shape, the same ``score_tile``, hence the same bits), applies the visi
 (out-of-range and masked positions get the fill, as the pipeline's extras and masked entries do) and writes
 each entry's unique int64 ``composite`` (order key high, 2**32 - 1 - position low) into an [R, S] table.
 ``torch.topk`` over the composites is exact and deterministic whatever its tie rule (no two are equal), and
-``final_sort.decode`` turns the winners back into canonical fp32 values and int64 positions, exactly as the
-final select does: the result is the pipeline's, bit for bit, fill values and positions of short rows
-included (every position competes with its value; of the masked ones, ranked by position, the lowest win,
-which are the ones the pipeline's extras hold).
+``final_sort.decode_values`` turns the winners back into canonical fp32 values, exactly as the final select
+does, and torch.topk's indices are the positions (the table's columns): the result is the pipeline's, bit for
+bit, fill values and positions of short rows included (every position competes with its value; of the masked
+ones, ranked by position, the lowest win, which are the ones the pipeline's extras hold).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .filter import tile_scores
-from .final_sort import decode
+from .final_sort import decode_values
 from .plan import Plan
 from .problem import Problem, cdiv
 from .score_tile import block_rows, composite, order_key, tile_values
@@ -73,5 +73,5 @@ def composites(pb: Problem) -> Tensor:
 def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor]:
     """(values fp32 [R, k], positions int64 [R, k]) of each row's top plan.k, ordered by (value desc, position
     asc), or with sorted=False the same entries in torch.topk's unspecified order."""
-    top = torch.topk(composites(pb), plan.k, dim=1, sorted=sorted).values
-    return decode(top)
+    top = torch.topk(composites(pb), plan.k, dim=1, sorted=sorted)
+    return decode_values(top.values), top.indices  # the table's column is the position: no decode needed
