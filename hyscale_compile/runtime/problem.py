@@ -7,7 +7,7 @@ shape gives the same MMA, hence the same score bits in every kernel).
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import math
 
@@ -39,7 +39,7 @@ class Problem:
         self.wt = wt
         self.scale, self.fill = float(scale), float(fill)
         self.strides = (*self.q.stride()[:3], *self.kx.stride()[:2], *wstr, *mstr, *bstr)
-        self.tile = tile = dataclasses.replace(score_tile.TILE if tile is None else tile)
+        self.tile = tile = copy.copy(score_tile.TILE if tile is None else tile)  # as it is now (tuners change it)
         self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=tile.bt, BS=tile.bs, ACT=act_kind(relu, scale),
                            HAS_W=self.w is not None, PREC=precision(self.q.dtype),
                            HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)

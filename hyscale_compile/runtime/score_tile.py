@@ -59,7 +59,7 @@ def precision(dtype: torch.dtype) -> str:
 
 def block_d(D: int) -> int:
     """Head-dim tile: a power of two, at least 16 (the smallest tensor-core K)."""
-    return max(16, triton.next_power_of_2(D))
+    return max(16, 1 << (D - 1).bit_length())  # triton.next_power_of_2 is a jit function: microseconds a call
 
 
 def tma_views(q: torch.Tensor, kx: torch.Tensor, tile: TileConfig) -> dict:
