@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .columns import columns
+from .env import interpreting
 from .problem import Problem, cdiv
 from .reference import Visibility
 from .score_tile import act_fma, tile_values
@@ -30,6 +31,10 @@ RESCORE_BLOCKS = 8
 RESCORE_STAGES = 3
 RESCORE_WARPS = 4
 RESCORE_W_ONCE = True  # the row's head weights loaded once per program, not per block
+# Tuning knobs (benchmarks/tuning/tune_rescore.py), defaults leave the kernel as it was:
+RESCORE_GROUPS = 1  # head groups of heads_per_mma unrolled per block (e.g. MAX_BH=32, GROUPS=2 at H=64: two
+# [BJ, 32] MMAs, each column-split and summed before the next); past that a runtime loop over groups
+RESCORE_MAXNREG = None  # a register cap for the launch (more programs per SM), None: ptxas decides
 
 
 def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scale: float, relu: bool,
@@ -43,13 +48,28 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
     pb = Problem(q, kx, weights, scale, relu, vis, fill)
     idx = indices.to(torch.int64).contiguous()
     bj, bh = rescore_shape(pb.H, pb.consts["BLOCK_D"], pb.kx.element_size(), pb.consts["PREC"])
-    consts = dict(pb.consts, H=pb.H, BJ=bj, BH=bh, W_ONCE=RESCORE_W_ONCE)
+    consts = dict(pb.consts, H=pb.H, BJ=bj, BH=bh, NG=unrolled_groups(pb.H, bh), W_ONCE=RESCORE_W_ONCE)
     del consts["BT"], consts["BS"]
     picks = bj * RESCORE_BLOCKS
     rescore_kernel[(B * T, cdiv(K, picks))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
                                             T, pb.S, K, pb.scale, pb.fill, picks, *pb.strides, **consts,
-                                            num_warps=RESCORE_WARPS, num_stages=RESCORE_STAGES)
+                                            **launch_options())
     return out
+
+
+def launch_options() -> dict:
+    """num_warps, num_stages and (off the interpreter, where set) maxnreg of a rescore launch."""
+    opts = dict(num_warps=RESCORE_WARPS, num_stages=RESCORE_STAGES)
+    if RESCORE_MAXNREG and not interpreting():
+        opts["maxnreg"] = RESCORE_MAXNREG
+    return opts
+
+
+def unrolled_groups(H: int, bh: int) -> int:
+    """Head groups of bh per block, unrolled (the row's q groups loaded once per program), or 0 for a
+    runtime loop over groups (H past RESCORE_GROUPS groups)."""
+    n = cdiv(H, bh)
+    return n if n <= max(1, RESCORE_GROUPS) else 0
 
 
 def rescore_heads_per_mma(H: int) -> int:
@@ -104,7 +124,8 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, W_ONCE: tl.constexpr = True):
+                   HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, W_ONCE: tl.constexpr = True,
+                   NG: tl.constexpr = 1):
     """Values of one query row at ``picks`` given positions, BJ at a time: the gathered keys times the
     row's heads in one [BJ, D] x [D, BH] MMA (BH >= H, up to 64; past that a loop over groups of BH
     heads), then the heads summed in order with score_tile's per-head step.
@@ -117,7 +138,8 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     loads of the next blocks are in flight during this one's math. H is a constexpr: at H <= BH the head loop
     unrolls, the block loop is the innermost loop (the one the pipeliner works on) and the row's q is
     loaded once, its weights too with W_ONCE (64 more registers at H=64). A runtime loop over 16-head
-    groups at H=64 left the block loop unpipelined.
+    groups at H=64 left the block loop unpipelined. NG > 1 unrolls NG groups of BH heads (one MMA each,
+    the heads still summed in order); NG == 0 is the runtime loop over groups.
     """
     r = tl.program_id(0).to(tl.int64)  # row b * T + t
     b = r // T
@@ -132,10 +154,12 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     row_ok = one == 0
     q_row = q_ptr + b * sqb + t * sqt
     w_row = w_ptr + b * swb + t * swt
-    if H <= BH:  # the row's heads and weights, loaded once for all its blocks
-        q_all = _load_heads(q_row, 0, sqh, offs_d, d_ok, H, BH)
+    if NG > 0:  # the row's heads and weights, loaded once for all its blocks
+        q_all = ()
+        for g in tl.static_range(NG):
+            q_all = q_all + (_load_heads(q_row, g * BH, sqh, offs_d, d_ok, H, BH),)
         if HAS_W and W_ONCE:
-            w_all = _row_weights(w_row, swh, H, BH)
+            w_all = _row_weights(w_row, swh, H, NG * BH)
     for j0 in range(j_lo, j_hi, BJ):
         j = j0 + tl.arange(0, BJ)
         j_ok = j < j_hi
@@ -145,17 +169,19 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
         kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :],
                      mask=c_ok[:, None] & d_ok[None, :], other=0.0)
         acc = tl.zeros((BJ,), dtype=tl.float32)
-        if H <= BH:  # one MMA: unrolled, so the block loop stays the innermost (pipelined) loop
-            sh = _head_scores(kg, q_all, BH, PREC)
-            for i in tl.static_range(H):  # heads in order, score_tile's step
-                if not HAS_W:
-                    w = scale
-                elif W_ONCE:
-                    w = w_all[i]
-                else:
-                    w = tl.load(w_row + i * swh)
-                acc = act_fma(sh[i], w, acc, ACT)
-        else:  # a loop over head groups (H > 64)
+        if NG > 0:  # NG MMAs, unrolled, so the block loop stays the innermost (pipelined) loop
+            for g in tl.static_range(NG):
+                sh = _head_scores(kg, q_all[g], BH, PREC)
+                for i in tl.static_range(BH):  # heads in order, score_tile's step
+                    if g * BH + i < H:
+                        if not HAS_W:
+                            w = scale
+                        elif W_ONCE:
+                            w = w_all[g * BH + i]
+                        else:
+                            w = tl.load(w_row + (g * BH + i) * swh)
+                        acc = act_fma(sh[i], w, acc, ACT)
+        else:  # a runtime loop over head groups (past RESCORE_GROUPS groups)
             for c in range(0, H, BH):
                 sh = _head_scores(kg, _load_heads(q_row, c, sqh, offs_d, d_ok, H, BH), BH, PREC)
                 for i in tl.static_range(BH):

@@ -307,6 +307,12 @@ def test_rescore_shape_rule():
     (19, 16, dict(MAX_BH=16), torch.bfloat16, True),  # groups of 16
     (40, 16, {}, torch.float32, True),  # ieee fp32: groups of 16
     (19, 16, dict(BJ=64, BLOCKS=1), torch.bfloat16, True),  # a row's 100 picks over two programs
+    (40, 16, dict(MAX_BH=32, GROUPS=2), torch.bfloat16, True),  # two unrolled 32-head MMAs, the second partial
+    (40, 16, dict(MAX_BH=16, GROUPS=4, W_ONCE=False), torch.bfloat16, True),  # three unrolled 16-head MMAs
+    (40, 16, dict(MAX_BH=16, GROUPS=4), torch.bfloat16, False),  # unrolled groups, no weights
+    (70, 16, dict(GROUPS=2), torch.bfloat16, True),  # two unrolled 64-head MMAs
+    (70, 16, dict(MAX_BH=16, GROUPS=2), torch.bfloat16, True),  # past GROUPS: the runtime loop
+    (19, 16, dict(BJ=128, STAGE_BYTES=65536, MAXNREG=128, WARPS=8), torch.bfloat16, True),  # launch knobs
 ])
 def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, H, D, over, dtype, weights):
     """The per-row rescore (one MMA over all heads, padded to 32 or 64, or a loop over groups of
