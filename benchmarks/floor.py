@@ -12,6 +12,10 @@ tile, so its time is what the filter's arithmetic costs, and does one of three t
 It walks the grid with the filter's own steps (``runtime/filter.py``: ``block_tiles``, ``tile_scores``,
 ``keep_passing``) and takes the filter's parameter list, unused ones included, so that it compiles to
 the very floor the published tables were timed with. Launch through ``floor``, ``table`` and ``count``.
+
+The rescore's floor (``rescore_floor_kernel``, launched through ``rescore_floor``) is the other kind: the
+rescore's grid, index loads and gathered [BJ, D] key rows at the rescore's own launch, without its MMA
+and head sums, so its time is what reading the same key rows costs.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hyscale_compile.runtime import rescore as rs
 from hyscale_compile.runtime.filter import block_tiles, common_range, keep_passing, tile_scores
 from hyscale_compile.runtime.filter_append import OK_RANGE, passes
 from hyscale_compile.runtime.plan import Plan
-from hyscale_compile.runtime.problem import Problem
+from hyscale_compile.runtime.problem import Problem, cdiv
 from hyscale_compile.runtime.score_tile import key_value, tile_values
 
 FLOOR = tl.constexpr(0)
@@ -108,3 +113,51 @@ def count(pb: Problem, plan: Plan, thr: torch.Tensor, out: torch.Tensor) -> None
     pb.launch(floor_kernel, (split, pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, thr, cnt, out, pb.mask,
               pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, plan.capacity, plan.width, split, MODE=COUNT,
               **pb.descriptors, **plan.filter_options)
+
+
+@triton.jit
+def rescore_floor_kernel(kx_ptr, idx_ptr, out_ptr, T, S, K, picks, skb, sks,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr):
+    """``rescore_kernel``'s loads alone: its grid (one query row's ``picks`` positions a program), its
+    index loads and its gathered [BJ, D] key rows, each row summed (so no load is dead) into a [BJ]
+    sink; one float per program into out[program]. No MMA, no head sums, no per-pick store."""
+    r = tl.program_id(0).to(tl.int64)  # row b * T + t
+    b = r // T
+    j_lo = tl.program_id(1).to(tl.int64) * picks
+    j_hi = tl.minimum(j_lo + picks, K)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    sink = tl.zeros((BJ,), dtype=tl.float32)
+    for j0 in range(j_lo, j_hi, BJ):
+        j = j0 + tl.arange(0, BJ)
+        j_ok = j < j_hi
+        cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
+        c_ok = j_ok & (cols >= 0) & (cols < S)
+        cols = tl.where(c_ok, cols, 0)
+        kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :],
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        sink += tl.sum(kg.to(tl.float32), axis=1)
+    tl.store(out_ptr + r * tl.num_programs(1) + tl.program_id(1), tl.sum(sink, axis=0))
+
+
+def rescore_floor(q, kx, weights, indices, scale: float, relu: bool, vis, fill: float):
+    """The rescore's gather floor at ``rescore.rescore``'s arguments: a launch of no arguments (operands
+    prepared once, so timing it times the kernel and one launch) and the tensor it writes, one float a
+    program. Its shape follows rescore's (``rescore_shape``, RESCORE_BLOCKS, ``launch_options``), so
+    re-make it after changing a RESCORE_* setting."""
+    pb = Problem(q, kx, weights, scale, relu, vis, fill)
+    B, T, K = pb.B, pb.T, indices.shape[-1]
+    idx = indices.to(torch.int64).contiguous()
+    bj, _ = rs.rescore_shape(pb.H, pb.consts["BLOCK_D"], pb.kx.element_size(), pb.consts["PREC"])
+    picks = bj * rs.RESCORE_BLOCKS
+    grid = (B * T, cdiv(K, picks))
+    out = torch.empty(grid[0] * grid[1], device=pb.device, dtype=torch.float32)
+    skb, sks = pb.kx.stride(0), pb.kx.stride(1)
+    opts = rs.launch_options()
+    D, block_d = pb.D, pb.consts["BLOCK_D"]
+
+    def run():
+        rescore_floor_kernel[grid](pb.kx, idx, out, T, pb.S, K, picks, skb, sks, D=D, BLOCK_D=block_d, BJ=bj,
+                                   **opts)
+
+    return run, out

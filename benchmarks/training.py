@@ -9,7 +9,10 @@ topk), so the hyscale backend only helps where its selection pass rewrites it. M
     hyscale             torch.compile(backend="hyscale")
 
 Per row: ms per step, the share of the hyscale step spent in ``rescore`` (timed on its own at the
-same shapes), peak memory. A mode that runs out of memory is recorded as "OOM at N GiB".
+same shapes), the rescore against its gather floor (``rescore_floor_ms``: the time to read the same key
+rows, benchmarks/floor.py; ``rescore_over_floor`` is the ratio of their kernel times on CUDA, where
+``rescore_device_ms`` and ``rescore_floor_device_ms`` are recorded too), peak memory. A mode that runs out of
+memory is recorded as "OOM at N GiB".
 
     python benchmarks/training.py                 # the issue's shapes on CUDA -> results/training.json
     python benchmarks/training.py --smoke         # tiny shapes, any device, prints only
@@ -125,23 +128,74 @@ def device_records(run) -> list[tuple[str, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def rescore_ms(inputs, k: int, iters: int, device: str) -> float:
-    """Time of the rescore the replayed backward runs, at the same shapes."""
-
+def rescore_args(inputs, k: int) -> tuple:
+    """The arguments of the ``hyscale.rescore`` call the replayed backward makes, at the inputs' selection."""
     q, kx, w, _ = inputs
     T, S = q.shape[1], kx.shape[1]
     with torch.no_grad():
         _, idx = hyscale_compile.indexer_topk(q, kx, k, weights=w.float(), scale=q.shape[-1] ** -0.5,
                                               query_offset=S - T)
-        args = (q, kx, w.float(), idx, q.shape[-1] ** -0.5, True, True, S - T, None, None, None, None, None,
-                float("-inf"))
-        torch.ops.hyscale.rescore(*args)
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            torch.ops.hyscale.rescore(*args)
-        _sync(device)
+    return (q.detach(), kx.detach(), w.detach().float(), idx, q.shape[-1] ** -0.5, True, True, S - T, None, None,
+            None, None, None, float("-inf"))
+
+
+def _wall_ms(run, iters: int, device: str) -> float:
+    run()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    _sync(device)
     return round((time.perf_counter() - t0) * 1e3 / iters, 3)
+
+
+def rescore_ms(inputs, k: int, iters: int, device: str, args: tuple | None = None) -> float:
+    """Time of the rescore the replayed backward runs, at the same shapes (wall time per call: the op's
+    host set-up included)."""
+    args = args or rescore_args(inputs, k)
+    with torch.no_grad():
+        return _wall_ms(lambda: torch.ops.hyscale.rescore(*args), iters, device)
+
+
+def rescore_floor_run(args: tuple):
+    """The rescore's gather floor (benchmarks/floor.py) at the rescore's arguments: a launch of no
+    arguments, the operands prepared once."""
+    from hyscale_compile.runtime.reference import Visibility
+
+    if str(Path(__file__).resolve().parent) not in sys.path:
+        sys.path.append(str(Path(__file__).resolve().parent))  # floor.py, beside this file
+    import floor
+
+    interpreter_shim()  # on a CPU (a --smoke run): runtime loop bounds in the interpreter
+    q, kx, w, idx, scale, relu, causal, offset = args[:8]
+    return floor.rescore_floor(q, kx, w, idx, scale, relu, Visibility(causal=causal, offset=offset), args[-1])[0]
+
+
+def rescore_floor_ms(inputs, k: int, iters: int, device: str, args: tuple | None = None) -> float:
+    """Time of the rescore's gather floor at the same inputs as ``rescore_ms``: the rescore's grid, index
+    loads and key-row gathers without its arithmetic (wall time per call, one bare launch)."""
+    run = rescore_floor_run(args or rescore_args(inputs, k))
+    return _wall_ms(run, iters, device)
+
+
+def rescore_device_ms(args: tuple, reps: int = 10) -> dict:
+    """Kernel time per call (profiler device records) of the rescore and of its gather floor, and their
+    ratio, the issue's measure: the wall times above include the rescore op's host set-up."""
+    floor_run = rescore_floor_run(args)
+    out = {}
+    for key, name, run in (("rescore_device_ms", "rescore_kernel", lambda: torch.ops.hyscale.rescore(*args)),
+                           ("rescore_floor_device_ms", "rescore_floor_kernel", floor_run)):
+        run()
+        torch.cuda.synchronize()
+
+        def calls(run=run):
+            for _ in range(reps):
+                run()
+
+        us = sum(t for n, t in device_records(calls) if name in n)
+        out[key] = round(us / reps / 1e3, 4)
+    out["rescore_over_floor"] = round(out["rescore_device_ms"] / out["rescore_floor_device_ms"], 3)
+    return out
 
 
 def sparse_backward_ms(inputs, k: int, device: str) -> dict:
@@ -259,7 +313,13 @@ def main() -> None:
             print(f"T={T} S={S} H={H} {mode}: {row[MODE_KEYS[mode]]} ms, peak {peaks[mode]}", flush=True)
         inputs = make_inputs(T, S, H, D, k, device, dtype)
         hy = row.get("hyscale_ms")
-        row["rescore_ms"] = _guard(rescore_ms, inputs, k, args.iters, device)
+        rargs = _guard(rescore_args, inputs, k)
+        rargs = rargs if isinstance(rargs, tuple) else None
+        row["rescore_ms"] = _guard(rescore_ms, inputs, k, args.iters, device, rargs)
+        row["rescore_floor_ms"] = _guard(rescore_floor_ms, inputs, k, args.iters, device, rargs)
+        if device == "cuda" and rargs:
+            found = _guard(rescore_device_ms, rargs)
+            row.update(found if isinstance(found, dict) else {"rescore_over_floor": found})
         rs = row["rescore_ms"]
         # The profiled share is the truth; the standalone rescore time over the step is the fallback.
         share = _guard(profiled_rescore_share, shape, D, k, device, dtype) if isinstance(hy, float) else None
