@@ -51,6 +51,7 @@ from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 SHAPES = [(4096, 131072, 64), (2048, 65536, 16), (4096, 131072, 16)]  # (T, S, H): the bar's worst first
 D, K = 128, 2048
 DEVICE = "cuda"
+DEADLINE = float("inf")  # perf_counter time after which no further variant is started (--budget-s)
 NAMES = ("BJ", "STAGE_BYTES", "MAX_BH", "GROUPS", "BLOCKS", "STAGES", "WARPS", "W_ONCE", "MAXNREG")
 
 # Overrides of the RESCORE_* settings, the default ({}) first. Every one compiled offline for sm_90a
@@ -168,6 +169,10 @@ def shape_rows(T: int, S: int, H: int, variants: list[int]) -> list[dict]:
             row = dict(kernel="rescore", variant=v, over=over,
                        **{n.lower(): getattr(rescore, "RESCORE_" + n) for n in NAMES})
             key = effective(H)
+            if time.perf_counter() > DEADLINE:
+                row["skipped"] = "budget"
+                rows.append(row)
+                continue
             if key in launched:  # e.g. head groups at H = 16: the same kernel and launch as an earlier variant
                 row["same_as"] = launched[key]
                 print(json.dumps(row), flush=True)
@@ -214,6 +219,8 @@ def table(rows: list[dict]) -> str:
             m = [r for r in rows if r["kernel"] == "rescore" and r["variant"] == v and (r["T"], r["S"], r["H"]) == s]
             if not m:
                 cells.append(" " * 22)
+            elif "skipped" in m[0]:
+                cells.append(f"{'skipped':>22}")
             elif "same_as" in m[0]:
                 cells.append(f"{'= ' + str(m[0]['same_as']):>22}")
             elif "failed" in m[0]:
@@ -257,6 +264,7 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="indices into VARIANTS (default all; 0 is always run)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tune_rescore.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device, prints only")
+    ap.add_argument("--budget-s", type=float, default=140.0, help="start no variant after this many seconds")
     ap.add_argument("--offline", action="store_true", help="compile for sm_90a without a GPU: registers, spills")
     args = ap.parse_args()
     variants = sorted({0, *map(int, args.variants.split(","))}) if args.variants else list(range(len(VARIANTS)))
@@ -275,6 +283,8 @@ def main() -> None:
         training.interpreter_shim()
     rows = []
     t0 = time.perf_counter()
+    global DEADLINE
+    DEADLINE = t0 + args.budget_s
     for i in map(int, args.shapes.split(",")):
         rows += shape_rows(*SHAPES[i], variants)
         if not args.smoke:
