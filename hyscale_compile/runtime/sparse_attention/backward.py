@@ -35,13 +35,14 @@ import triton.language as tl
 from torch import Tensor
 
 from . import common
-from .common import LOG2E_C, causal_limit, load_picks, load_rows, mm  # used inside the kernels
+from .common import LOG2E_C, causal_limit, load_picks, load_rows, mm, mm_acc  # used inside the kernels
 from .naive import Picks, add_mean_grad
 
 # Upper bound on the contribution buffer of one chunk of query rows.
-CONTRIB_BYTES = 1 << 30
+CONTRIB_BYTES = 1 << 31
 # Tuning knobs (None: the rule in ``passes``).
 HEAD_BLOCK = 64
+CONTRIB_HEAD_BLOCK = 128  # heads of a group per head block of the contribution pass (16-bit; half for fp32)
 PICKS: int | None = None
 WARPS: int | None = None
 STAGES: int | None = None
@@ -53,19 +54,22 @@ SEGMENT_KEYS = 16  # sorted picks per program of the segment kernel
 SEGMENT_COLS = 256  # contribution columns per program of the segment kernel
 
 
-def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int) -> tuple[int, list[tuple]]:
-    """(BH, row kernel passes), a pass being (DO_DQ, DO_KV, BK, CH, warps, stages).
+def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
+           fold: bool = False) -> tuple[int, list[tuple]]:
+    """(BH, row kernel passes), a pass being (DO_DQ, DO_KV, BK, CH, warps, stages); BH is the dq pass's heads
+    a program (the contribution pass takes all of a group's heads: ``contrib_heads``).
 
     One fused pass where a program's tiles are narrow (GQA / MHA head dims: no spills on sm_90 at BK = 32,
     4 warps). Wide tiles (the MLA layer: 64 heads x 576 + 512 features) do not fit one program on sm_90
     (dq's accumulator [64, 576] fp32 alone is 144 registers a thread at 8 warps; q and dout held twice in
-    shared memory, as A and as B operand, exceed it): a dq pass (BK = 32) and a contribution pass (BK = 64,
-    contributions stored CH columns at a time from reloaded q / dout chunks) each recompute p and ds.
-    ptxas for sm_90a, bf16: dq pass 255 registers, 28 bytes spilled, 176 KB shared; contribution pass 255
-    registers, no spill, 213 KB shared. fp32 (tf32x3): 16 heads a program, split at the MLA width, BK = 16
-    (launchable, spilling: the model computes this layer in 16-bit). Not yet timed on the device."""
+    shared memory, as A and as B operand, exceed it): a dq pass (BK = 32, the row kernel) and a contribution
+    pass (``_contrib_kernel``, BK = 64: S, dp and the contributions CH columns at a time, all heads of the group
+    in one program) each recompute p and ds. The folded (latent) backward always splits: its contributions
+    are the contribution kernel's. Register and shared-memory figures: benchmarks/NOTES-sparse-attention.md
+    (ptxas for sm_90a). fp32 (tf32x3): 16 heads a dq program, BK = 16 (launchable, spilling: the model
+    computes this layer in 16-bit)."""
     BH, wide = common.head_block(HG, BDA + BDB + BDV, dtype, HEAD_BLOCK)
-    split = wide if SPLIT is None else SPLIT
+    split = wide or fold if SPLIT is None else SPLIT or fold
     warps, stages = WARPS or (8 if wide and dtype != torch.float32 else 4), STAGES or 1
     fp32 = dtype == torch.float32
 
@@ -173,6 +177,104 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
 
 
 @triton.jit
+def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_ptr, km_ptr, place_ptr,
+                    contrib_ptr, T, S, K, H, HG, NHB, G, Dqk, Dv, W, offset, scale, scale_log2,
+                    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, sdo_b, sdo_t, sdo_h, skm_b, skm_s,
+                    t0, R, slice_picks,
+                    CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, ALIAS: tl.constexpr,
+                    FOLD: tl.constexpr, MULTI_HB: tl.constexpr, PREC: tl.constexpr, DA: tl.constexpr,
+                    BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                    CH: tl.constexpr):
+    # The contribution pass of a split backward: one program per (query row, kv group, slice of picks) for ALL
+    # the group's heads, so each pick gets one contribution (W = Dqk + Dv columns, or Dqk with FOLD: dv added
+    # into dk's first Dv columns). Per block of BK picks and head block: S = q k^T and dp = dout v^T
+    # accumulated CH feature columns at a time (q, dout chunks reloaded from cache; in the latent layout a
+    # gathered k chunk is the v chunk too), p and ds, then the contribution CH columns at a time,
+    # ds^T q (* scale) (+ p^T dout), the heads being the MMA's K dimension. Head blocks past the first (more
+    # than BH heads a group) add theirs to the stored columns in order (the program's own: no other reads them).
+    pid = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    part = tl.program_id(2).to(tl.int64)
+    b = pid // R
+    t = t0 + pid % R
+    row = b * T + t
+    k_base = k_ptr + b * sk_b + g * sk_g
+    v_base = v_ptr + b * sv_b + g * sv_g
+    idx_row = idx_ptr + row * K
+    km_row = km_ptr + b * skm_b
+    lim = causal_limit(t, offset, offs_ptr, b, HAS_OFFS)
+    j_lo = part * slice_picks
+    j_hi = tl.minimum(j_lo + slice_picks, K)
+    for k0 in range(j_lo, j_hi, BK):
+        ids, ok = load_picks(idx_row, k0, j_hi, S, lim, km_row, skm_s, CAUSAL, HAS_KM, BK)
+        place = tl.load(place_ptr + pid * K + k0 + tl.arange(0, BK), mask=ok, other=0).to(tl.int64)
+        dst = contrib_ptr + (place * G + g) * W
+        for hb in range(0, NHB):
+            hl = hb * BH + tl.arange(0, BH)
+            hmask = hl < HG
+            h = (g * HG + hl).to(tl.int64)
+            q_row = q_ptr + b * sq_b + t * sq_t + h[:, None] * sq_h
+            do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
+            lse2 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0) * LOG2E_C
+            delta = tl.load(delta_ptr + row * H + h, mask=hmask, other=0.0)
+            s = tl.zeros((BH, BK), tl.float32)
+            dp = tl.zeros((BH, BK), tl.float32)
+            for c0 in tl.static_range(0, BDA, CH):
+                cc = c0 + tl.arange(0, CH)
+                qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
+                kc = load_rows(k_base, ids, ok, sk_s, cc, DA)
+                s = mm_acc(qc, tl.trans(kc), s, PREC)
+                if ALIAS:  # DA = Dv: the k chunk is the v chunk
+                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+                    dp = mm_acc(doc, tl.trans(kc), dp, PREC)
+            if BDB > 0:
+                cb = DA + tl.arange(0, BDB)
+                qb = tl.load(q_row + cb[None, :], mask=hmask[:, None] & (cb < Dqk)[None, :], other=0.0)
+                s = mm_acc(qb, tl.trans(load_rows(k_base, ids, ok, sk_s, cb, Dqk)), s, PREC)
+            if not ALIAS:
+                for c0 in tl.static_range(0, BDV, CH):
+                    cc = c0 + tl.arange(0, CH)
+                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+                    dp = mm_acc(doc, tl.trans(load_rows(v_base, ids, ok, sv_s, cc, Dv)), dp, PREC)
+            kept = ok[None, :] & hmask[:, None]
+            p = tl.where(kept, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+            # as in the row kernel: dropped picks and padded heads get ds = 0 outright; 16-bit: ds, p rounded
+            ds_t = tl.trans(tl.where(kept, p * (dp - delta[:, None]), 0.0).to(q_ptr.dtype.element_ty))
+            p_t = tl.trans(p.to(do_ptr.dtype.element_ty))
+            if MULTI_HB:
+                tl.debug_barrier()  # the previous head block's stores are visible to this one's loads
+            for c0 in tl.static_range(0, BDA, CH):
+                cc = c0 + tl.arange(0, CH)
+                m = ok[:, None] & (cc < DA)[None, :]
+                qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
+                val = mm(ds_t, qc, PREC) * scale
+                if FOLD:  # ALIAS, DA = Dv: dk and dv share these columns
+                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+                    val += mm(p_t, doc, PREC)
+                if MULTI_HB:
+                    if hb > 0:
+                        val += tl.load(dst[:, None] + cc[None, :], mask=m, other=0.0)
+                tl.store(dst[:, None] + cc[None, :], val, mask=m)
+            if BDB > 0:
+                m = ok[:, None] & (cb < Dqk)[None, :]
+                val = mm(ds_t, qb, PREC) * scale
+                if MULTI_HB:
+                    if hb > 0:
+                        val += tl.load(dst[:, None] + cb[None, :], mask=m, other=0.0)
+                tl.store(dst[:, None] + cb[None, :], val, mask=m)
+            if not FOLD:
+                for c0 in tl.static_range(0, BDV, CH):
+                    cc = c0 + tl.arange(0, CH)
+                    m = ok[:, None] & (cc < Dv)[None, :]
+                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+                    val = mm(p_t, doc, PREC)
+                    if MULTI_HB:
+                        if hb > 0:
+                            val += tl.load(dst[:, None] + Dqk + cc[None, :], mask=m, other=0.0)
+                    tl.store(dst[:, None] + Dqk + cc[None, :], val, mask=m)
+
+
+@triton.jit
 def _segment_kernel(contrib_ptr, keys_ptr, ends_ptr, acc_ptr, n, n_keys, W, NHB,
                     BKEY: tl.constexpr, BC: tl.constexpr):
     # BKEY sorted positions per program; a position that starts its key's run owns the key and adds the
@@ -229,7 +331,7 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     dq = torch.zeros(B, T, H, Dqk, dtype=torch.float32, device=q.device)
     acc = torch.zeros(B * S, G * DC, dtype=torch.float32, device=q.device)
     if B * T * H > 0 and K > 0 and S > 0:
-        _run(dout, delta, q, k, v, lse, indices, scale, picks, dq, acc)
+        _run(dout, delta, q, k, v, lse, indices, scale, picks, dq, acc, fold=False)
     dkv = acc.view(B, S, G, DC)
     dk, dv = dkv[..., :Dqk], dkv[..., Dqk:]
     if empty == "mean":
@@ -237,24 +339,56 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
-def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, acc: Tensor) -> None:
+def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor, indices: Tensor,
+                    scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor]:
+    """(dq, dkv) in the inputs' dtypes, v being kv[..., :Dv] (contract: ``naive.backward_latent``): dkv = dk with
+    dv added into its first Dv columns, each pick's contribution summed (ds^T q scale + p^T dout) before it is
+    stored, so the buffer holds Dqk floats a pick instead of Dqk + Dv."""
+    B, T, H, Dqk = q.shape
+    S, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
+    dq = torch.zeros(B, T, H, Dqk, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(B * S, G * Dqk, dtype=torch.float32, device=q.device)
+    kv = common.last_dim_unit(kv)
+    if B * T * H > 0 and K > 0 and S > 0:
+        _run(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, dq, acc, fold=True)
+    dkv = acc.view(B, S, G, Dqk)
+    if empty == "mean":
+        add_mean_grad(dkv[..., :Dv], dout, lse)
+    return dq.to(q.dtype), dkv.to(kv.dtype)
+
+
+def contrib_heads(HG: int, dtype: torch.dtype) -> int:
+    """Heads a contribution program handles per head block (all of a group's up to CONTRIB_HEAD_BLOCK)."""
+    return min(common.pow2(HG), CONTRIB_HEAD_BLOCK if dtype != torch.float32 else CONTRIB_HEAD_BLOCK // 2)
+
+
+def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, acc: Tensor, fold: bool) -> None:
     B, T, H, Dqk = q.shape
     S, G, Dv, K = k.shape[1], k.shape[2], v.shape[3], indices.shape[-1]
-    HG, W = H // G, acc.shape[1]
-    q, k, v, dout = (common.last_dim_unit(t) for t in (q, k, v, dout))
+    HG, W = H // G, acc.shape[1] // G
+    q, dout = common.last_dim_unit(q), common.last_dim_unit(dout)
+    if not fold:  # (the latent entry made kv's last stride 1 and took v from it)
+        k, v = common.last_dim_unit(k), common.last_dim_unit(v)
     alias = common.aliases(k, v)
+    assert alias or not fold, "the folded (latent) backward needs v = k[..., :Dv]"
     DA, BDA, BDB, BDV = common.split(Dqk, Dv, alias)
-    BH, launches = passes(HG, BDA, BDB, BDV, q.dtype, K)
+    BH, launches = passes(HG, BDA, BDB, BDV, q.dtype, K, fold)
     NHB = triton.cdiv(HG, BH)
+    split = len(launches) > 1
+    CBH = contrib_heads(HG, q.dtype)
+    CNHB = triton.cdiv(HG, CBH)
+    contrib_blocks = 1 if split else NHB  # a contribution per pick (all heads), or per pick and head block
     step = max(launch[2] for launch in launches)  # slices are a multiple of every pass's BK (powers of two)
-    rows = max(1, min(T, CONTRIB_BYTES // (B * K * NHB * W * 4)))
-    contrib = torch.empty(B * rows * K * NHB * W, dtype=torch.float32, device=q.device)
+    rows = max(1, min(T, CONTRIB_BYTES // (B * K * contrib_blocks * G * W * 4)))
+    contrib = torch.empty(B * rows * K * contrib_blocks * G * W, dtype=torch.float32, device=q.device)
     idx = indices.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
     km = picks.key_mask.view(torch.uint8) if picks.key_mask is not None else idx
     km_strides = km.stride() if picks.key_mask is not None else (0, 0)
     prec = common.mma_precision(q.dtype)
+    flags = dict(CAUSAL=bool(picks.causal), HAS_OFFS=picks.offsets is not None, HAS_KM=picks.key_mask is not None,
+                 ALIAS=alias, PREC=prec, DA=DA, BDA=BDA, BDB=BDB, BDV=BDV)
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
         place, keys, ends = pick_order(idx[:, t0:t0 + R], t0, S, picks)
@@ -264,16 +398,24 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
         dq_out, dq_T, dq_t0 = dq, T, 0
         if P > 1:
             dq_out, dq_T, dq_t0 = torch.empty(P, B, R, H, Dqk, dtype=torch.float32, device=q.device), R, t0
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *km_strides)
         for do_dq, do_kv, BK, CH, warps, stages in launches:
-            _row_kernel[(B * R, G * NHB, P)](
-                q, k, v, dout, lse, delta, idx, offs, km, place, dq_out, contrib, B, T, S, K, H, HG, NHB, G, Dqk,
-                Dv, int(picks.offset), float(scale), float(scale) * common.LOG2E, *q.stride()[:3], *k.stride()[:3],
-                *v.stride()[:3], *dout.stride()[:3], *km_strides, t0, R, slice_picks, dq_T, dq_t0,
-                CAUSAL=bool(picks.causal), HAS_OFFS=picks.offsets is not None, HAS_KM=picks.key_mask is not None,
-                ALIAS=alias, PREC=prec, DA=DA, BDA=BDA, BDB=BDB, BDV=BDV, BH=BH, BK=BK, DO_DQ=do_dq, DO_KV=do_kv,
-                CH=CH, num_warps=warps, num_stages=stages)
+            if do_dq or not split:
+                _row_kernel[(B * R, G * NHB, P)](
+                    q, k, v, dout, lse, delta, idx, offs, km, place, dq_out, contrib, B, T, S, K, H, HG, NHB, G,
+                    Dqk, Dv, int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides, t0, R,
+                    slice_picks, dq_T, dq_t0, BH=BH, BK=BK, DO_DQ=do_dq, DO_KV=do_kv, CH=CH, num_warps=warps,
+                    num_stages=stages, **flags)
+            else:  # a contribution per pick for all the group's heads; the slices need not match the dq pass's
+                PC = _slices(B * R * G, K, BK, q.device)
+                c_picks = triton.cdiv(triton.cdiv(K, PC), BK) * BK
+                _contrib_kernel[(B * R, G, triton.cdiv(K, c_picks))](
+                    q, k, v, dout, lse, delta, idx, offs, km, place, contrib, T, S, K, H, HG, CNHB, G, Dqk, Dv, W,
+                    int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides, t0, R, c_picks,
+                    FOLD=fold, MULTI_HB=CNHB > 1, BH=CBH, BK=BK, CH=CH, num_warps=warps, num_stages=stages,
+                    **flags)
         if P > 1:
             dq[:, t0:t0 + R] = dq_out.sum(0)
         n = keys.numel()
-        _segment_kernel[(triton.cdiv(n, SEGMENT_KEYS), triton.cdiv(W, SEGMENT_COLS))](
-            contrib, keys, ends, acc, n, B * S, W, NHB, BKEY=SEGMENT_KEYS, BC=SEGMENT_COLS)
+        _segment_kernel[(triton.cdiv(n, SEGMENT_KEYS), triton.cdiv(G * W, SEGMENT_COLS))](
+            contrib, keys, ends, acc, n, B * S, G * W, contrib_blocks, BKEY=SEGMENT_KEYS, BC=SEGMENT_COLS)
