@@ -83,8 +83,8 @@ def test_alias_detected_and_same_bits_as_a_copy():
 
 
 def test_rows_chunked_sliced_and_split(monkeypatch):
-    """Rows in chunks (contribution buffer of 2 rows: 2, 2, 1), picks in slices (16 + 8), dq and contributions
-    in two passes with 16-column chunks: dk / dv keep their bits (each key adds its picks in (row, pick)
+    """Rows in chunks (contribution buffer of 2 rows: 2, 2, 1), picks in slices (16 + 8), the split backward
+    (contribution kernel then dq kernel) with 16-column chunks: dk / dv keep their bits (each key adds its picks in (row, pick)
     order whatever the chunks), dq differs by the slice sums' rounding only."""
     case = Case(T=5, K=24, S=37, H=4, G=2, Dqk=40, Dv=32, offset=30)
     q, k, v, idx, picks, dout = _problem(case, seed=3)
@@ -102,7 +102,10 @@ def test_rows_chunked_sliced_and_split(monkeypatch):
     monkeypatch.setattr(backward, "SPLIT", True)
     monkeypatch.setattr(backward, "CHUNK", 16)
     assert backward.passes(2, 32, 8, 32, torch.float32, 24)[1][1][:4] == (False, True, 16, 16)
-    _close(_run("triton", q, k, v, idx, picks, dout), whole, 1e-6)
+    # the contribution kernel (S in 16-column steps, one contribution a pick for both heads) and the dq kernel
+    split = _run("triton", q, k, v, idx, picks, dout)
+    _close(split, _run("naive", q, k, v, idx, picks, dout), 2e-5)
+    _close(split, whole, 2e-5)
 
 
 def test_several_head_blocks(monkeypatch):
