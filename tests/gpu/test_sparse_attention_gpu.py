@@ -93,7 +93,7 @@ def test_alias_and_copy_agree_and_chunks_keep_bits(monkeypatch):
         assert torch.equal(a, b)
     monkeypatch.setattr(backward, "PROGRAMS_PER_SM", 0)  # one slice a row: dq's bits do not depend on the chunk
     whole = run("triton", q, k, v, idx, picks, dout)
-    monkeypatch.setattr(backward, "CONTRIB_BYTES", 5 * 2048 * 1088 * 4)  # 5 rows a chunk (one contribution a pick)
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 5 * 2048 * (1088 * 4 + 128 * 2))  # 5 rows a chunk (and their ds)
     for a, b in zip(run("triton", q, k, v, idx, picks, dout), whole):
         assert torch.equal(a, b)
 
@@ -171,7 +171,7 @@ def test_latent_chunks_keep_bits(monkeypatch):
     q, k, _, idx, picks, dout = problem("mla", 8192, 64, seed=11)
     monkeypatch.setattr(backward, "PROGRAMS_PER_SM", 0)
     whole = run_latent("triton", q, k, idx, picks, dout)
-    monkeypatch.setattr(backward, "CONTRIB_BYTES", 5 * 2048 * 576 * 4)
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 5 * 2048 * (576 * 4 + 128 * 2))  # contributions and ds
     for a, b in zip(run_latent("triton", q, k, idx, picks, dout), whole):
         assert torch.equal(a, b)
     monkeypatch.setattr(backward, "PROGRAMS_PER_SM", 4)

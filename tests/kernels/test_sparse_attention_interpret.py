@@ -239,7 +239,7 @@ def test_latent_chunks_slices_and_head_blocks(monkeypatch):
     whole = _run_latent("triton", q, kv, idx, picks, dout, case.Dv)
     want = _run_latent("naive", q, kv, idx, picks, dout, case.Dv)
     _close(whole, want, 2e-5)
-    monkeypatch.setattr(backward, "CONTRIB_BYTES", 2 * 12 * 20 * 4)  # 2 rows a chunk
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 2 * 12 * (20 + 36) * 4)  # 2 rows a chunk (contributions, ds)
     monkeypatch.setattr(backward, "_slices", lambda programs, K, BK, device: 3)
     sliced = _run_latent("triton", q, kv, idx, picks, dout, case.Dv)
     _same(sliced[3:], whole[3:])
