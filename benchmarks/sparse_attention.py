@@ -3,6 +3,8 @@
 For each layout and context, T = S (training / prefill, causal, one batch), bf16:
 
     mla   the DeepSeek-V3.2 layer in latent form: H = 128, one kv group, Dqk = 512 + 64, v = k[..., :512]
+          (--mla-entry latent: hyscale_compile.sparse_attention_latent, kv taken once, dv folded into dk in the
+          backward; view: sparse_attention with v = k[..., :512], dk and dv apart, as before the latent op)
     mha   the same layer as HF expands it (kv_b_proj): H = 128, Dqk = 192, Dv = 128 (--heads to change)
     gqa   H = 32, 8 kv groups, D = 128
 
@@ -14,6 +16,7 @@ difference of sparse and dense_masked outputs over the largest dense output. Pic
 random scores over each row's visible keys (``--picks local``: sinks and the recent keys favoured).
 
     python benchmarks/sparse_attention.py [--layouts mla,gqa,mha] [--contexts 8192,16384,32768,65536]
+                                          [--mla-entry latent|view]
     TRITON_INTERPRET=1 python benchmarks/sparse_attention.py --smoke    # tiny shapes on the CPU, prints only
 """
 
@@ -106,7 +109,7 @@ def dense_masked(row: dict, dense, inputs: tuple, idx, out, grad, device) -> Non
     row["dense_masked_fwd_bwd_ms"], _ = attempt(fwd_bwd(lambda *a: dense(*a, mask), inputs, grad), device)
 
 
-def one(layout: str, dims: tuple, S: int, k: int, local: bool, device: str, dtype) -> dict:
+def one(layout: str, dims: tuple, S: int, k: int, local: bool, device: str, dtype, mla_entry: str = "latent") -> dict:
     H, G, Dqk, Dv = dims
     T = S
     g = torch.Generator(device=device).manual_seed(S)
@@ -117,13 +120,20 @@ def one(layout: str, dims: tuple, S: int, k: int, local: bool, device: str, dtyp
     grad = torch.randn(1, T, H, Dv, device=device, generator=g).to(dtype)
     scale = Dqk ** -0.5
 
-    def sparse(q, k_, v):
+    latent = layout == "mla" and mla_entry == "latent"
+
+    def sparse(q, k_, v=None):
+        if latent:  # kv once: the backward returns kv's whole gradient
+            return hyscale_compile.sparse_attention_latent(q, k_, idx, value_dim=Dv, scale=scale, query_offset=S - T)
         return hyscale_compile.sparse_attention(q, k_, v, idx, scale=scale, query_offset=S - T)
 
     row = dict(layout=layout, H=H, G=G, Dqk=Dqk, Dv=Dv, T=T, S=S, k=k, picks="local" if local else "random")
-    row["sparse_fwd_ms"] = timed(lambda: sparse(q, k_, v), device)
-    row["sparse_fwd_bwd_ms"] = timed(fwd_bwd(sparse, (q, k_, v), grad), device)
-    out = sparse(q, k_, v)
+    if layout == "mla":
+        row["entry"] = mla_entry
+    operands = (q, k_) if latent else (q, k_, v)
+    row["sparse_fwd_ms"] = timed(lambda: sparse(*operands), device)
+    row["sparse_fwd_bwd_ms"] = timed(fwd_bwd(sparse, operands, grad), device)
+    out = sparse(*operands)
 
     def heads(t):  # [B, S, G, D] -> [B, H, S, D]
         return t.transpose(1, 2).repeat_interleave(H // G, dim=1)
@@ -151,6 +161,9 @@ def main() -> None:
     parser.add_argument("--contexts", default="8192,16384,32768,65536")
     parser.add_argument("--heads", type=int, default=None, help="query heads of the mha layout (HF: 128 / TP)")
     parser.add_argument("--picks", choices=["random", "local"], default="random")
+    parser.add_argument("--mla-entry", choices=["latent", "view"], default="latent",
+                        help="mla: sparse_attention_latent (kv once, dv folded into dk) or sparse_attention with "
+                             "v = k[..., :512] (dk and dv apart)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sparse_attention.json"))
     args = parser.parse_args()
     training.interpreter_shim()
@@ -165,7 +178,7 @@ def main() -> None:
     with dispatch.force_backend("triton"):
         for layout in args.layouts.split(","):
             for S in contexts:
-                row = one(layout, layouts[layout], S, k, args.picks == "local", device, dtype)
+                row = one(layout, layouts[layout], S, k, args.picks == "local", device, dtype, args.mla_entry)
                 rows.append(row)
                 print({key: val for key, val in row.items() if not key.endswith("_error") or val}, flush=True)
     print(f"\n{'layout':6} {'S':>6} {'sparse fwd':>10} {'fwd+bwd':>9} {'x masked fwd':>12} {'fwd+bwd':>8} "

@@ -8,6 +8,7 @@ from .backend import register_if_missing
 from .explain import ExplainReport, explain
 from .lowering.api import indexer_topk
 from .lowering.attention_api import sparse_attention as sparse_attention
+from .lowering.attention_api import sparse_attention_latent as sparse_attention_latent
 
 
 def _version() -> str:

@@ -27,5 +27,5 @@ def test_training_kernels_compile_for_sm90():
     assert done.returncode == 0, done.stderr[-4000:]
     assert "kernel variants for sm_90" in done.stdout
     for name in ("filter_kernel", "tie_fill_kernel", "final_select_kernel", "table_kernel", "_row_kernel",
-                 "_segment_kernel", "_fwd_kernel"):
+                 "_contrib_kernel", "_segment_kernel", "_fwd_kernel"):
         assert name in done.stdout, done.stdout

@@ -259,3 +259,69 @@ def test_api_rejects_bad_empty_before_running():
     q, k, v, idx, _, _ = make(CASES["plain"], dtype=torch.float32)
     with pytest.raises(RuntimeError, match="empty must be one of"):
         hyscale_compile.sparse_attention(q, k, v, idx, empty="min")
+
+
+@pytest.mark.parametrize("empty", ["zero", "mean"])
+@pytest.mark.parametrize("name", ["mla", "causal_few", "offsets"])
+def test_latent_op_matches_dense_and_the_view(name, empty):
+    """hyscale_compile.sparse_attention_latent(q, kv, value_dim=Dv): the values of dense attention with v =
+    kv[..., :Dv], and kv's gradient (the total through the view), as sparse_attention with the view gives it."""
+    case = CASES[name]
+    q, k, _, idx, offset, key_mask = make(case, dtype=torch.float32)
+    k = k[:, :, :1]  # one kv group: the latent layout
+    Dv = case.Dv
+    g = torch.Generator().manual_seed(2)
+    kw = dict(scale=0.4, query_offset=offset, key_mask=key_mask, empty=empty, return_lse=True)
+    grads = []
+    for latent in (True, False):
+        qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
+        if latent:
+            out, lse = hyscale_compile.sparse_attention_latent(qa, ka, idx, value_dim=Dv, **kw)
+            gout, glse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+        else:
+            out, lse = hyscale_compile.sparse_attention(qa, ka, ka[..., :Dv], idx, **kw)
+        ((out * gout).sum() + (finite(lse) * glse).sum()).backward()
+        grads.append((out, lse, qa.grad, ka.grad))
+    want_out, want_lse, want = _dense_grads(q, k, None, idx, 0.4, offset, key_mask, empty, gout, glse, alias_dv=Dv)
+    _close(grads[0][0], want_out, 1e-5)
+    _same_lse(grads[0][1], want_lse, 1e-5)
+    for a, b in zip(grads[0][2:], want):
+        _close(a, b, 1e-5)
+    for a, b in zip(grads[0], grads[1]):
+        _close(a, b, 1e-6)
+
+
+def test_latent_op_under_torch_compile():
+    """Fake tensors and AOTAutograd for the latent op (dynamic sizes)."""
+    case = CASES["mla"]
+
+    def fn(q, kv, idx):
+        out, lse = hyscale_compile.sparse_attention_latent(q, kv, idx, value_dim=case.Dv, query_offset=8,
+                                                           return_lse=True)
+        return out.sum(-1) * 2 + finite(lse)
+
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
+    for T in (5, 7):
+        q, k, _, idx, _, _ = make(Case(H=4, G=1, Dqk=24, Dv=16, T=T, alias=True), dtype=torch.float32, seed=T)
+        leaves = [t.clone().requires_grad_() for t in (q, k)]
+        eager = [t.clone().requires_grad_() for t in (q, k)]
+        got, want = compiled(*leaves, idx), fn(*eager, idx)
+        assert torch.equal(got, want)
+        got.sum().backward()
+        want.sum().backward()
+        for a, b in zip(leaves, eager):
+            assert torch.equal(a.grad, b.grad)
+
+
+def test_latent_op_fake_shapes_and_value_dim_errors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, kv = torch.empty(2, 9, 8, 576, dtype=torch.bfloat16), torch.empty(2, 40, 1, 576, dtype=torch.bfloat16)
+        idx = torch.empty(2, 9, 16, dtype=torch.int32)
+        out, lse = torch.ops.hyscale.sparse_attention_latent(q, kv, idx, 512, 0.1, True, 0, None, None, "zero")
+        assert out.shape == (2, 9, 8, 512) and lse.shape == (2, 9, 8)
+    q, k, _, idx, _, _ = make(CASES["mla"], dtype=torch.float32)
+    for bad in (0, 25):
+        with pytest.raises(RuntimeError, match="value_dim"):
+            torch.ops.hyscale.sparse_attention_latent(q, k, idx, bad, 0.5, False, 0, None, None, "zero")

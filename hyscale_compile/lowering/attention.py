@@ -12,6 +12,25 @@ as a top-k does; a repeated key would count twice). A row with no kept pick give
 softmax over finfo.min-filled scores), and lse = -inf. ``runtime/sparse_attention/naive.py`` is the
 contract as code. The backward is deterministic (same inputs, same bits) and reaches q, k, v only
 through the kept picks; an lse gradient is supported.
+
+    sparse_attention_latent(q [B, T, H, Dqk], kv [B, S, G, Dqk], indices, value_dim, scale, causal, offset,
+                            offsets, key_mask, empty) -> (out [B, T, H, value_dim], lse)
+
+is the same attention with v = kv[..., :value_dim] (the MLA latent layout: one kv row, its first value_dim
+features the value), taking kv once. Its backward returns (dq, dkv), dkv being kv's whole gradient: dk with
+dv added into its first value_dim columns.
+
+Why a second op, and the gradients when k and v alias. ``sparse_attention(q, k, v)`` returns dk and dv
+apart, whether or not v is a view of k: autograd adds dv into k's gradient through the view, a gradient
+taken with respect to v alone is dv, and where v aliases k's storage without being a view of k in the autograd
+graph (``v = k.detach()[..., :Dv]``, or k detached) the right gradient of k excludes dv. The op sees storage,
+not the autograd graph, so it cannot tell these apart and never folds dv into dk. The Triton backward is
+cheapest when it may fold (one Dqk-wide contribution a pick instead of Dqk + Dv: 576 against 1088 floats in
+the MLA layer), so the fold has its own op whose contract makes it right: it has no v argument and returns
+only kv's total gradient, which is what every caller that builds v as kv's view gets from the first op,
+summed by autograd. ``hyscale_compile.sparse_attention_latent`` and the attention pass (MLA latent rewrite)
+call it; ``sparse_attention`` keeps dk and dv apart (its aliased MLA backward still sums the heads of a group
+into one contribution a pick, 1088 floats, but not dk and dv).
 """
 
 from __future__ import annotations
@@ -129,3 +148,65 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 sparse_attention.register_autograd(_backward, setup_context=_setup)
+
+
+def _latent_value(kv: Tensor, value_dim: int) -> Tensor:
+    _require(kv.dim() == 4, f"hyscale.sparse_attention_latent: kv must be [B, S, G, Dqk], got {kv.dim()} dims")
+    _require(1 <= value_dim and value_dim <= kv.shape[3],
+             f"hyscale.sparse_attention_latent: value_dim {value_dim} must be in [1, Dqk = {kv.shape[3]}]")
+    return kv[..., :value_dim]
+
+
+@torch.library.custom_op("hyscale::sparse_attention_latent", mutates_args=())
+def sparse_attention_latent(q: Tensor, kv: Tensor, indices: Tensor, value_dim: int, scale: float, causal: bool,
+                            offset: int, offsets: Tensor | None, key_mask: Tensor | None, empty: str
+                            ) -> tuple[Tensor, Tensor]:
+    v = _latent_value(kv, value_dim)
+    check_attention_inputs(q, kv, v, indices, offsets, key_mask, empty)
+    picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
+    with without_autocast(q.device):
+        return runtime.attention(q, kv, v, indices, scale, picks, empty)
+
+
+@sparse_attention_latent.register_fake
+def _(q, kv, indices, value_dim, scale, causal, offset, offsets, key_mask, empty):
+    check_attention_inputs(q, kv, _latent_value(kv, value_dim), indices, offsets, key_mask, empty)
+    B, T, H = q.shape[0], q.shape[1], q.shape[2]
+    return q.new_empty((B, T, H, value_dim)), q.new_empty((B, T, H), dtype=torch.float32)
+
+
+@torch.library.custom_op("hyscale::sparse_attention_latent_backward", mutates_args=())
+def sparse_attention_latent_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, kv: Tensor, out: Tensor,
+                                     lse: Tensor, indices: Tensor, value_dim: int, scale: float, causal: bool,
+                                     offset: int, offsets: Tensor | None, key_mask: Tensor | None, empty: str
+                                     ) -> tuple[Tensor, Tensor]:
+    picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
+    with without_autocast(q.device):
+        delta = runtime.row_delta(grad_out, out, grad_lse)
+        return runtime.attention_backward_latent(grad_out, delta, q, kv, value_dim, lse, indices, scale, picks, empty)
+
+
+@sparse_attention_latent_backward.register_fake
+def _(grad_out, grad_lse, q, kv, out, lse, indices, value_dim, scale, causal, offset, offsets, key_mask, empty):
+    return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+
+def _setup_latent(ctx, inputs, output) -> None:
+    q, kv, indices, value_dim, scale, causal, offset, offsets, key_mask, empty = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, out, lse, indices, offsets, key_mask)
+    ctx.args = (value_dim, scale, causal, offset, empty)
+
+
+def _backward_latent(ctx, grad_out, grad_lse):
+    q, kv, out, lse, indices, offsets, key_mask = ctx.saved_tensors
+    value_dim, scale, causal, offset, empty = ctx.args
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dkv = torch.ops.hyscale.sparse_attention_latent_backward(grad_out, grad_lse, q, kv, out, lse, indices,
+                                                                 value_dim, scale, causal, offset, offsets,
+                                                                 key_mask, empty)
+    return dq, dkv, None, None, None, None, None, None, None, None
+
+
+sparse_attention_latent.register_autograd(_backward_latent, setup_context=_setup_latent)

@@ -4,7 +4,10 @@ The op takes q [B, T, H, D], k [B, S, G, D], v [B, S, G, Dv] (transposed views o
 tensors; HF's ``repeat_kv`` is read back to its G key heads), the picks [B, T, K] as the model scattered them,
 the causal offset, a [B, S] key mask, and what an empty row gives. A model mask that is no position rule and no
 key mask is read at the picks, and the picks it hides are set to -1 (the op drops them). In the latent MLA
-layout (``attention_mla``) the up-projection is folded into q and applied to the output. Under autocast q, k and
+layout (``attention_mla``) the up-projection is folded into q and applied to the output, and the op is
+``hyscale.sparse_attention_latent``, which takes the latent kv row once (the value being its first Dc features:
+the view only this rewrite builds, so kv's whole gradient is all anything reads) and folds dv into dk in its
+backward. Under autocast q, k and
 v are cast to the dtype the model's attention computes in. The output is put back as the model's [B, H, T, Dv]
 with eager's strides; the dense masks, and what only fed them, are erased.
 """
@@ -138,15 +141,19 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
         key_mask = m if key_mask is None else graph.call_function(torch.logical_and, (key_mask, m))
     offset = masks.emit_sum(graph, plan.offset_terms) if plan.causal else 0
     if latent is not None:
-        qx, kx, vx = _latent_operands(graph, att.q, latent, B, S)
+        qx, kx = _latent_operands(graph, att.q, latent, B, S)
+        out = graph.call_function(torch.ops.hyscale.sparse_attention_latent.default, (
+            qx, kx, idx, latent.Dc, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
     else:
         qx = graph.call_method("transpose", (q if cast is None else graph.call_method("to", (q, cast)), 1, 2))
         kx, vx = (_kv_operand(graph, x, B, shape(q)[0], cast) for x in (att.k, att.v))
-    out = graph.call_function(torch.ops.hyscale.sparse_attention.default, (
-        qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
+        out = graph.call_function(torch.ops.hyscale.sparse_attention.default, (
+            qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
     o = graph.call_function(operator.getitem, (out, 0))
     if plan.eager_empty_grad and any(requires_grad(x) for x in (att.q, att.k, att.v)):
         lse = graph.call_function(operator.getitem, (out, 1))
+        if latent is not None:
+            vx = graph.call_function(operator.getitem, (kx, (Ellipsis, slice(None, latent.Dc))))
         o = graph.call_function(torch.ops.hyscale.empty_rows_like_eager.default, (o, qx, kx, vx, lse,
                                                                                   float(att.scale)))
     if latent is not None:  # out_lat [B, T, H, Dc] -> per head W_uv[h]: [B, T, H, Dv]
@@ -172,11 +179,11 @@ def _weight_heads(graph: fx.Graph, latent: Latent) -> fx.Node:
     return graph.call_method("view", (latent.weight, latent.H, latent.Dn + latent.Dv, latent.Dc))
 
 
-def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr]; kv = [c, r] [B, S, 1, Dc + Dr]; v = kv[..., :Dc]. The
+def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> tuple[fx.Node, fx.Node]:
+    """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr]; kv = [c, r] [B, S, 1, Dc + Dr] (v = kv[..., :Dc]). The
     rope key may be shared by the batch or by the positions ([1, 1, S, Dr], [B, 1, 1, Dr]): it is expanded to the
     latent's [B, S] as the model's expansion over the heads broadcast it."""
-    Dn, Dc = latent.Dn, latent.Dc
+    Dn = latent.Dn
     qt = graph.call_method("transpose", (q, 1, 2))
     q_nope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(None, Dn))))
     q_rope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(Dn, None))))
@@ -189,9 +196,7 @@ def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> tuple
     rs = shape(latent.rope)
     if not (same_size(rs[0], shape(q)[0]) and same_size(rs[2], shape(latent.latent)[-2])):
         r = graph.call_method("expand", (r, B, S, -1, -1))
-    kx = graph.call_function(torch.cat, ([c, r], -1))
-    vx = graph.call_function(operator.getitem, (kx, (Ellipsis, slice(None, Dc))))
-    return qx, kx, vx
+    return qx, graph.call_function(torch.cat, ([c, r], -1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def test_alias_and_copy_agree_and_chunks_keep_bits(monkeypatch):
         assert torch.equal(a, b)
     monkeypatch.setattr(backward, "PROGRAMS_PER_SM", 0)  # one slice a row: dq's bits do not depend on the chunk
     whole = run("triton", q, k, v, idx, picks, dout)
-    monkeypatch.setattr(backward, "CONTRIB_BYTES", 5 * 2048 * 2 * 1088 * 4)  # 5 rows a chunk, 2 head blocks
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 5 * 2048 * (1088 * 4 + 128 * 2))  # 5 rows a chunk (and their ds)
     for a, b in zip(run("triton", q, k, v, idx, picks, dout), whole):
         assert torch.equal(a, b)
 
@@ -136,3 +136,61 @@ def test_under_deterministic_algorithms():
     finally:
         torch.use_deterministic_algorithms(was)
     assert all(bool(torch.isfinite(t.grad).all()) for t in leaves)
+
+
+def run_latent(impl, q, kv, idx, picks, dout, Dv=512, empty="zero", scale=0.1):
+    fwd = forward.forward if impl == "triton" else naive.forward
+    bwd = backward.backward_latent if impl == "triton" else naive.backward_latent
+    out, lse = fwd(q, kv, kv[..., :Dv], idx, scale, picks, empty)
+    return (out, lse) + tuple(bwd(dout, sa.row_delta(dout, out, None), q, kv, Dv, lse, idx, scale, picks, empty))
+
+
+@pytest.mark.parametrize("S,T,early,empty", [(8192, 256, False, "zero"), (32768, 128, False, "zero"),
+                                             (4096, 96, True, "mean")])
+def test_latent_against_reference_and_dense(S, T, early, empty):
+    """The latent backward (dv folded into dk, one 576-wide contribution a pick for all 128 heads) at the MLA
+    layer's sizes: against the reference, against the op with the view (dk + dv), against dense attention's
+    autograd (fp32 from the same bf16 inputs) where it fits, and the same bits run after run."""
+    q, k, v, idx, picks, dout = problem("mla", S, T, early=early, key_mask=early, seed=S + T + 7)
+    got = run_latent("triton", q, k, idx, picks, dout, empty=empty)
+    close(got, run_latent("naive", q, k, idx, picks, dout, empty=empty))
+    apart = run("triton", q, k, v, idx, picks, dout, empty=empty)
+    close(got[3:], (torch.cat([apart[3][..., :512].float() + apart[4].float(), apart[3][..., 512:].float()], -1),))
+    if S <= 8192:
+        q64, k64 = (t.detach().float().requires_grad_() for t in (q, k))
+        out, _ = dense_attention(q64, k64, k64[..., :512], idx, 0.1, picks.offset, picks.key_mask, empty)
+        dq, dkv = torch.autograd.grad(out, (q64, k64), dout.float())
+        close(got[2:], (dq, dkv))
+    again = run_latent("triton", q, k, idx, picks, dout, empty=empty)
+    for a, b in zip(got, again):
+        assert torch.equal(a, b)
+
+
+def test_latent_chunks_keep_bits(monkeypatch):
+    """dkv keeps its bits when the rows go in several contribution chunks (5 rows a chunk) and in slices."""
+    q, k, _, idx, picks, dout = problem("mla", 8192, 64, seed=11)
+    monkeypatch.setattr(backward, "PROGRAMS_PER_SM", 0)
+    whole = run_latent("triton", q, k, idx, picks, dout)
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 5 * 2048 * (576 * 4 + 128 * 2))  # contributions and ds
+    for a, b in zip(run_latent("triton", q, k, idx, picks, dout), whole):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(backward, "PROGRAMS_PER_SM", 4)
+    sliced = run_latent("triton", q, k, idx, picks, dout)
+    assert torch.equal(sliced[3], whole[3])
+
+
+def test_latent_op_under_inductor():
+    """hyscale_compile.sparse_attention_latent in a compiled training step: kv's gradient as the eager op's."""
+    q, k, _, idx, picks, _ = problem("mla", 4096, 64, seed=12)
+
+    def fn(q, kv):
+        out = hyscale_compile.sparse_attention_latent(q, kv, idx, value_dim=512, scale=0.1,
+                                                      query_offset=picks.offset)
+        return out.float().square().sum()
+
+    grads = []
+    for f in (fn, torch.compile(fn)):
+        leaves = [t.clone().requires_grad_() for t in (q, k)]
+        f(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    close(grads[1], grads[0], tol=1e-3)

@@ -23,6 +23,27 @@ from triton.runtime.driver import driver  # noqa: E402
 
 H200_SHARED_BYTES = 232448  # per block, opt-in (sm_90)
 compiled: list[str] = []
+resources: list[tuple[str, int, int | None, int | None]] = []  # (kernel, shared bytes, registers, stack bytes)
+
+
+def _usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers a thread, stack bytes a thread: where ptxas spills) from cuobjdump's resource usage."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+        except OSError:
+            return None, None
+    reg, stack = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
+    return (int(reg.group(1)) if reg else None), (int(stack.group(1)) if stack else None)
 
 
 class _Utils:
@@ -31,6 +52,7 @@ class _Utils:
 
     def load_binary(self, name, kernel, shared, device):
         compiled.append(name)
+        resources.append((name, shared, *_usage(kernel)))
         return "module", None, 0, 0, 1024
 
 
@@ -120,9 +142,15 @@ def run_entry_points(parts=PARTS) -> None:
                 picks = torch.randint(0, 256, (B, 8, 64), generator=g)
                 out = hyscale_compile.sparse_attention(q, kv, v, picks, query_offset=248)
                 out.float().sum().backward()
+                if alias:  # the latent entry: dv folded into dk's contribution
+                    out = hyscale_compile.sparse_attention_latent(q, kv, picks, value_dim=Dv, query_offset=248)
+                    out.float().sum().backward()
 
 
 if __name__ == "__main__":
     install()
     run_entry_points(tuple(sys.argv[1:]) or PARTS)
     print(f"compiled {len(compiled)} kernel variants for sm_90:", ", ".join(sorted(set(compiled))))
+    print("variants in launch order: kernel, shared bytes, registers a thread, stack bytes a thread (spills)")
+    for name, shared, regs, stack in resources:
+        print(f"  {name:24} shared {shared:>7} regs {regs} stack {stack}")

@@ -83,8 +83,8 @@ def test_alias_detected_and_same_bits_as_a_copy():
 
 
 def test_rows_chunked_sliced_and_split(monkeypatch):
-    """Rows in chunks (contribution buffer of 2 rows: 2, 2, 1), picks in slices (16 + 8), dq and contributions
-    in two passes with 16-column chunks: dk / dv keep their bits (each key adds its picks in (row, pick)
+    """Rows in chunks (contribution buffer of 2 rows: 2, 2, 1), picks in slices (16 + 8), the split backward
+    (contribution kernel then dq kernel) with 16-column chunks: dk / dv keep their bits (each key adds its picks in (row, pick)
     order whatever the chunks), dq differs by the slice sums' rounding only."""
     case = Case(T=5, K=24, S=37, H=4, G=2, Dqk=40, Dv=32, offset=30)
     q, k, v, idx, picks, dout = _problem(case, seed=3)
@@ -102,7 +102,10 @@ def test_rows_chunked_sliced_and_split(monkeypatch):
     monkeypatch.setattr(backward, "SPLIT", True)
     monkeypatch.setattr(backward, "CHUNK", 16)
     assert backward.passes(2, 32, 8, 32, torch.float32, 24)[1][1][:4] == (False, True, 16, 16)
-    _close(_run("triton", q, k, v, idx, picks, dout), whole, 1e-6)
+    # the contribution kernel (S in 16-column steps, one contribution a pick for both heads) and the dq kernel
+    split = _run("triton", q, k, v, idx, picks, dout)
+    _close(split, _run("naive", q, k, v, idx, picks, dout), 2e-5)
+    _close(split, whole, 2e-5)
 
 
 def test_several_head_blocks(monkeypatch):
@@ -159,3 +162,121 @@ def test_op_autograd_on_the_kernels():
             ((out * dout).sum() + (finite(lse) * glse).sum()).backward()
         results.append((out, lse, qa.grad, ka.grad))
     _close(*results, 2e-5)
+
+
+# The latent entry (v = kv[..., :Dv], dv folded into dk) and the contribution kernel (all heads of a group a pick)
+
+LATENT_CASES = {
+    "mla": CASES["mla"],
+    "few": Case(T=9, H=4, G=1, Dqk=24, Dv=16, K=8, offset=-2, alias=True),  # rows with 0, 1, a few kept picks
+    "key_mask": Case(H=4, G=1, Dqk=24, Dv=16, alias=True, key_mask=True, offset=9, dropped=4),
+    "offsets": Case(H=2, G=1, Dqk=24, Dv=16, alias=True, offset="tensor"),
+    "odd": Case(B=1, T=4, H=5, G=1, Dqk=20, Dv=12, S=17, K=9, alias=True),  # sizes no block divides
+    "groups": Case(H=6, G=2, Dqk=24, Dv=16, offset=8),  # two kv groups, v taken as kv[..., :Dv] below
+}
+
+
+def _latent_problem(case: Case, seed=0):
+    q, k, _, idx, picks, dout = _problem(case, seed=seed)
+    return q, k, idx, picks, dout
+
+
+def _run_latent(impl, q, kv, idx, picks, dout, Dv, empty="zero", scale=0.4, dlse=None):
+    """(out, lse, dq, dkv): the forward on v = kv[..., :Dv], then the latent backward."""
+    fwd = forward.forward if impl == "triton" else naive.forward
+    bwd = backward.backward_latent if impl == "triton" else naive.backward_latent
+    out, lse = fwd(q, kv, kv[..., :Dv], idx, scale, picks, empty)
+    delta = sa.row_delta(dout, out, dlse)
+    return (out, lse) + tuple(bwd(dout, delta, q, kv, Dv, lse, idx, scale, picks, empty))
+
+
+@pytest.mark.parametrize("name,empty", [(name, "zero") for name in sorted(LATENT_CASES)]
+                         + [("few", "mean"), ("mla", "mean")])
+def test_latent_backward_matches_reference(name, empty):
+    """dq and dkv = dk + [dv, 0] against the reference's explicit sums (which add dk and dv after the sums over
+    picks; the kernel adds them per pick first), with an lse gradient; the same bits run after run."""
+    case = LATENT_CASES[name]
+    q, kv, idx, picks, dout = _latent_problem(case)
+    dlse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    got = _run_latent("triton", q, kv, idx, picks, dout, case.Dv, empty, dlse=dlse)
+    _close(got, _run_latent("naive", q, kv, idx, picks, dout, case.Dv, empty, dlse=dlse), 2e-5)
+    # the same total as the op's separate dk and dv
+    dq, dk, dv = naive.backward(dout, sa.row_delta(dout, got[0], dlse), q, kv, kv[..., :case.Dv].clone(), got[1],
+                                idx, 0.4, picks, empty)
+    _close(got[3:], (torch.cat([dk[..., :case.Dv] + dv, dk[..., case.Dv:]], -1),), 2e-5)
+    _same(got, _run_latent("triton", q, kv, idx, picks, dout, case.Dv, empty, dlse=dlse))
+
+
+def test_latent_dropped_picks_contribute_nothing():
+    """NaN / inf in a key no row keeps (dropped picks gathered nowhere): dq and dkv stay finite and match."""
+    case = LATENT_CASES["key_mask"]
+    for what in ("k", "v"):  # in the latent layout the value row is the key row: both poison kv's row 0
+        q, kv, _, idx, offset, key_mask = nonfinite_key0_unkept(case, what, dtype=torch.float32, device=DEVICE)
+        kv[:, 0] = float("nan") if what == "v" else float("inf")
+        picks = _picks(offset, key_mask)
+        dout = torch.randn(q.shape[:3] + (case.Dv,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        got = _run_latent("triton", q, kv, idx, picks, dout, case.Dv)
+        assert got[2].isfinite().all() and got[3].isfinite().all() and not got[3][:, 0].any()
+        _close(got, _run_latent("naive", q, kv, idx, picks, dout, case.Dv), 2e-5)
+
+
+def test_latent_duplicate_picks_count_twice_as_the_reference():
+    """The contract asks for distinct picks; a repeated one counts twice, in the reference and in the kernels."""
+    case = LATENT_CASES["mla"]
+    q, kv, idx, picks, dout = _latent_problem(case, seed=2)
+    idx[:, :, 1] = idx[:, :, 0]
+    _close(_run_latent("triton", q, kv, idx, picks, dout, case.Dv),
+           _run_latent("naive", q, kv, idx, picks, dout, case.Dv), 2e-5)
+
+
+def test_latent_chunks_slices_and_head_blocks(monkeypatch):
+    """dkv keeps its bits whatever the chunks of rows and the slices of picks (each key adds one contribution a
+    pick in (row, pick) order); more heads than a contribution head block (36 heads in blocks of 8, fp32 taking
+    half the 16-bit block: the fifth partial) add the blocks in order in the program's own buffer rows."""
+    case = Case(B=1, T=5, H=36, G=1, Dqk=20, Dv=16, S=23, K=12, offset=18, alias=True)
+    q, kv, idx, picks, dout = _latent_problem(case, seed=5)
+    monkeypatch.setattr(backward, "PICKS", 4)
+    whole = _run_latent("triton", q, kv, idx, picks, dout, case.Dv)
+    want = _run_latent("naive", q, kv, idx, picks, dout, case.Dv)
+    _close(whole, want, 2e-5)
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 2 * 12 * (20 + 36) * 4)  # 2 rows a chunk (contributions, ds)
+    monkeypatch.setattr(backward, "_slices", lambda programs, K, BK, device: 3)
+    sliced = _run_latent("triton", q, kv, idx, picks, dout, case.Dv)
+    _same(sliced[3:], whole[3:])
+    _close(sliced[2:3], whole[2:3], 1e-6)
+    monkeypatch.setattr(backward, "CONTRIB_HEAD_BLOCK", 16)
+    assert backward.contrib_heads(36, torch.float32) == 8
+    _close(_run_latent("triton", q, kv, idx, picks, dout, case.Dv), want, 2e-5)
+
+
+def test_contribution_kernel_for_the_view_keeps_dk_and_dv_apart(monkeypatch):
+    """sparse_attention with v = k[..., :Dv] through the split backward (the MLA path at real sizes): one
+    contribution a pick for all heads, dk and dv apart; the same bits as a copy of v (the same chunk order)."""
+    monkeypatch.setattr(backward, "SPLIT", True)
+    monkeypatch.setattr(backward, "CHUNK", 8)
+    q, k, v, idx, picks, dout = _problem(CASES["mla"], seed=6)
+    got = _run("triton", q, k, v, idx, picks, dout)
+    _close(got, _run("naive", q, k, v, idx, picks, dout), 2e-5)
+    _same(got, _run("triton", q, k, v.clone(), idx, picks, dout))
+
+
+def test_latent_op_autograd_on_the_kernels():
+    """hyscale_compile.sparse_attention_latent on the kernels (forced on the CPU): the values and kv's total
+    gradient of sparse_attention with the view, and of the reference."""
+    case = CASES["mla"]
+    q, k, _, idx, picks, dout = _problem(case, seed=7)
+    glse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    results = []
+    for backend, latent in (("triton", True), ("triton", False), ("reference", True)):
+        qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
+        kw = dict(scale=0.4, query_offset=picks.offset, return_lse=True, empty="mean")
+        with dispatch.force_backend(backend):
+            if latent:
+                out, lse = hyscale_compile.sparse_attention_latent(qa, ka, idx, value_dim=case.Dv, **kw)
+            else:
+                out, lse = hyscale_compile.sparse_attention(qa, ka, ka[..., :case.Dv], idx, **kw)
+            ((out * dout).sum() + (finite(lse) * glse).sum()).backward()
+        results.append((out, lse, qa.grad, ka.grad))
+    _same(results[0][:3], results[1][:3])  # same forward, same dq pass
+    _close(results[0], results[1], 2e-5)
+    _close(results[0], results[2], 2e-5)

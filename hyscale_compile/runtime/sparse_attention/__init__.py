@@ -13,7 +13,7 @@ from .. import dispatch
 from . import naive
 from .naive import EMPTY_RULES, Picks, compute_dtype
 
-__all__ = ["EMPTY_RULES", "Picks", "attention", "attention_backward", "row_delta"]
+__all__ = ["EMPTY_RULES", "Picks", "attention", "attention_backward", "attention_backward_latent", "row_delta"]
 
 
 def _triton(t: Tensor) -> bool:
@@ -46,3 +46,13 @@ def attention_backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Ten
 
         return backward.backward(dout, delta, q, k, v, lse, indices, scale, picks, empty)
     return naive.backward(dout, delta, q, k, v, lse, indices, scale, picks, empty)
+
+
+def attention_backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor,
+                              indices: Tensor, scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor]:
+    """(dq, dkv) of the latent form (v = kv[..., :Dv]): dkv = dk with dv added into its first Dv columns."""
+    if _triton(q):
+        from . import backward
+
+        return backward.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty)
+    return naive.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty)

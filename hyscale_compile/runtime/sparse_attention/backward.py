@@ -6,25 +6,38 @@ With p = exp(scale * q.k - lse), dp = dout . v and ds = p * (dp - delta) (delta 
     dk[s]     = scale * sum_{(t, h) picking s} ds q[t, h]   many rows' picks: contributions + segments
     dv[s]     =         sum_{(t, h) picking s} p  dout[t, h]
 
-Row kernel: one program per (query row, kv group, block of BH heads, slice of the row's picks), the
-forward's tiling: it recomputes S = q k^T of BK gathered rows, p, dp = dout v^T and ds, adds ds @ k to
-its dq (registers; written once, or as a slice partial the host sums in slice order) and writes the
-picks' dk / dv contributions ds^T q and p^T dout ([BK, Dqk + Dv] fp32 per kv group and head block) to a
-buffer, each at the pick's place in the stable order of the picks by key (the CSR a sort of the chunk's
-keys gives). Segment kernel: each key that a chunk picks adds its contiguous run of contributions in that
-fixed order (and the head blocks in order) to an fp32 accumulator, once per chunk, chunks in order. No
-float atomics: the same inputs give the same bits, run after run. Dropped picks (out of range, not
-visible) load nothing (masked loads: their rows are 0, never multiplied by p = 0), write nothing and sort after
-every key.
+Each pick's contribution to dk / dv is written to a buffer at the pick's place in the stable order of the
+chunk's picks by key (the CSR a sort of the chunk's keys gives); the segment kernel then adds each key's
+contiguous run, in that fixed order, to an fp32 accumulator, once per chunk, chunks in order. No float atomics:
+the same inputs give the same bits, run after run, and dk / dv have the same bits for any chunking. Dropped
+picks (out of range, not visible) load nothing (masked loads: their rows are 0, never multiplied by p = 0),
+write nothing and sort after every key.
 
-Extra memory: the contribution buffer, at most CONTRIB_BYTES (query rows go in chunks under it; a per-pick
-buffer for all rows would be T * K * (Dqk + Dv) * 4 bytes, 1.2 TB for the MLA layer at T = 65536,
-K = 2048), its sort (about 20 bytes a pick of one chunk), the fp32 accumulator of dk and dv
-[B, S, G, Dqk + Dv], and the dq partials when a row's picks are split into slices.
+Narrow tiles (GQA / MHA head dims): the row kernel, one program per (query row, kv group, block of BH heads,
+slice of the row's picks), the forward's tiling: it recomputes S, p, dp, ds for BK gathered rows, adds ds @ k
+to its dq (registers; written once, or as a slice partial the host sums in slice order) and writes a
+contribution [ds^T q, p^T dout] (Dqk + Dv fp32) per pick and head block.
 
-In the MLA latent layout v aliases k's first Dv features: the row kernel reads a gathered row once (its
-A block is the value row), and still writes dk and dv apart, so autograd adds dv into k's gradient through
-the view (and a gradient with respect to v alone stays right).
+Wide tiles (the MLA layer: 128 heads x 576 + 512 features) and the latent entry split the work:
+
+* the contribution kernel, one program per (query row, kv group, slice of picks) for ALL the group's heads
+  (the heads are the contribution MMA's K dimension): S and dp CH feature columns at a time, p, ds; one
+  contribution a pick (not one per head block), and ds (in q's dtype, as the dq MMA takes it) to a buffer;
+* the dq kernel: dq = scale * ds @ k from that buffer (no recompute of S and dp).
+
+The latent entry (``backward_latent``, op ``sparse_attention_latent``: v = kv[..., :Dv], kv's whole gradient
+returned) folds dv into dk per pick: its contribution is ds^T q scale + [p^T dout, 0], Dqk floats a pick, where
+``backward`` (op ``sparse_attention``) keeps dk and dv apart, Dqk + Dv floats, also when v is a view of k
+(lowering/attention.py says why the op cannot fold there). MLA at 128 heads: 576 floats a pick against the
+2 x 1088 of one contribution per 64-head block.
+
+Extra memory: the contribution buffer, at most CONTRIB_BYTES with the ds buffer (query rows go in chunks under
+it; a per-pick buffer for all rows would be T * K * 576 * 4 bytes, 310 GB for the MLA layer at T = 65536,
+K = 2048), its sort (about 20 bytes a pick of one chunk), the fp32 accumulator of dk and dv [B, S, G, W], and
+the dq partials when a row's picks are split into slices.
+
+In the MLA latent layout (v aliasing k's first Dv features) a gathered row is read once: its A block (its
+first Dv features, CH columns at a time in the contribution kernel) is the value row.
 """
 
 from __future__ import annotations
@@ -35,13 +48,14 @@ import triton.language as tl
 from torch import Tensor
 
 from . import common
-from .common import LOG2E_C, causal_limit, load_picks, load_rows, mm  # used inside the kernels
+from .common import LOG2E_C, causal_limit, load_picks, load_rows, mm, mm_acc  # used inside the kernels
 from .naive import Picks, add_mean_grad
 
 # Upper bound on the contribution buffer of one chunk of query rows.
-CONTRIB_BYTES = 1 << 30
+CONTRIB_BYTES = 1 << 31
 # Tuning knobs (None: the rule in ``passes``).
 HEAD_BLOCK = 64
+CONTRIB_HEAD_BLOCK = 128  # heads of a group per head block of the contribution pass (16-bit; half for fp32)
 PICKS: int | None = None
 WARPS: int | None = None
 STAGES: int | None = None
@@ -53,19 +67,20 @@ SEGMENT_KEYS = 16  # sorted picks per program of the segment kernel
 SEGMENT_COLS = 256  # contribution columns per program of the segment kernel
 
 
-def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int) -> tuple[int, list[tuple]]:
-    """(BH, row kernel passes), a pass being (DO_DQ, DO_KV, BK, CH, warps, stages).
+def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
+           fold: bool = False) -> tuple[int, list[tuple]]:
+    """(BH, passes), a pass being (DO_DQ, DO_KV, BK, CH, warps, stages); BH is the heads of a row kernel or dq
+    kernel program (the contribution kernel takes a group's heads up to CONTRIB_HEAD_BLOCK: ``contrib_heads``).
 
-    One fused pass where a program's tiles are narrow (GQA / MHA head dims: no spills on sm_90 at BK = 32,
-    4 warps). Wide tiles (the MLA layer: 64 heads x 576 + 512 features) do not fit one program on sm_90
-    (dq's accumulator [64, 576] fp32 alone is 144 registers a thread at 8 warps; q and dout held twice in
-    shared memory, as A and as B operand, exceed it): a dq pass (BK = 32) and a contribution pass (BK = 64,
-    contributions stored CH columns at a time from reloaded q / dout chunks) each recompute p and ds.
-    ptxas for sm_90a, bf16: dq pass 255 registers, 28 bytes spilled, 176 KB shared; contribution pass 255
-    registers, no spill, 213 KB shared. fp32 (tf32x3): 16 heads a program, split at the MLA width, BK = 16
-    (launchable, spilling: the model computes this layer in 16-bit). Not yet timed on the device."""
+    One fused pass (the row kernel) where a program's tiles are narrow (GQA / MHA head dims: no spills on sm_90
+    at BK = 32, 4 warps). Wide tiles (the MLA layer) do not fit one program on sm_90 (dq's accumulator
+    [64, 576] fp32 alone is 144 registers a thread at 8 warps; q and dout held twice in shared memory, as A
+    and as B operand, exceed it), and the latent entry folds dv into dk per pick: two passes, the dq kernel
+    (BK = 32, first tuple) after the contribution kernel (BK = 64, CH feature columns at a time, second
+    tuple). ptxas for sm_90a (bf16, MLA at 128 heads): benchmarks/NOTES-sparse-attention.md. fp32 (tf32x3):
+    16 heads a dq program, BK = 16 (launchable, spilling: the model computes this layer in 16-bit)."""
     BH, wide = common.head_block(HG, BDA + BDB + BDV, dtype, HEAD_BLOCK)
-    split = wide if SPLIT is None else SPLIT
+    split = wide or fold if SPLIT is None else SPLIT or fold
     warps, stages = WARPS or (8 if wide and dtype != torch.float32 else 4), STAGES or 1
     fp32 = dtype == torch.float32
 
@@ -85,7 +100,7 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
                 t0, R, slice_picks, dq_T, dq_t0,
                 CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, ALIAS: tl.constexpr,
                 PREC: tl.constexpr, DA: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, DO_DQ: tl.constexpr, DO_KV: tl.constexpr, CH: tl.constexpr):
+                BH: tl.constexpr, BK: tl.constexpr):
     # pid 0 = b * R + r: row t = t0 + r of the chunk; pid 1 = g * NHB + head block; pid 2 = slice of picks.
     pid = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) // NHB
@@ -104,14 +119,12 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
     if BDB > 0:
         cb = DA + tl.arange(0, BDB)
         qb = tl.load(q_row + cb[None, :], mask=hmask[:, None] & (cb < Dqk)[None, :], other=0.0)
-        if DO_DQ:
-            dqb = tl.zeros((BH, BDB), tl.float32)
+        dqb = tl.zeros((BH, BDB), tl.float32)
     do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
     do = tl.load(do_row + cv[None, :], mask=hmask[:, None] & (cv < Dv)[None, :], other=0.0)
     lse2 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0) * LOG2E_C
     delta = tl.load(delta_ptr + row * H + h, mask=hmask, other=0.0)
-    if DO_DQ:
-        dqa = tl.zeros((BH, BDA), tl.float32)
+    dqa = tl.zeros((BH, BDA), tl.float32)
     k_base = k_ptr + b * sk_b + g * sk_g
     v_base = v_ptr + b * sv_b + g * sv_g
     idx_row = idx_ptr + row * K
@@ -136,40 +149,167 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
         # dropped picks (their rows loaded as 0) get ds = 0 outright, not p = 0 times a dp or delta that a
         # non-finite dout may make NaN; 16-bit operands: ds in their dtype, as flash-attention
         ds = tl.where(ok[None, :] & hmask[:, None], p * (dp - delta[:, None]), 0.0).to(ka.dtype)
-        if DO_DQ:
-            dqa += mm(ds, ka, PREC)
+        dqa += mm(ds, ka, PREC)
+        if BDB > 0:
+            dqb += mm(ds, kb, PREC)
+        place = tl.load(place_ptr + pid * K + k0 + tl.arange(0, BK), mask=ok, other=0).to(tl.int64)
+        dst = contrib_ptr + ((place * NHB + hb) * G + g) * DC
+        ds_t = tl.trans(ds)
+        p_t = tl.trans(p.to(do.dtype))
+        tl.store(dst[:, None] + ca[None, :], mm(ds_t, qa, PREC) * scale, mask=ok[:, None] & (ca < DA)[None, :])
+        tl.store(dst[:, None] + Dqk + cv[None, :], mm(p_t, do, PREC), mask=ok[:, None] & (cv < Dv)[None, :])
+        if BDB > 0:
+            tl.store(dst[:, None] + cb[None, :], mm(ds_t, qb, PREC) * scale, mask=ok[:, None] & (cb < Dqk)[None, :])
+    dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
+    tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], dqa * scale, mask=hmask[:, None] & (ca < DA)[None, :])
+    if BDB > 0:
+        tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], dqb * scale, mask=hmask[:, None] & (cb < Dqk)[None, :])
+
+
+@triton.jit
+def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_ptr, km_ptr, place_ptr,
+                    contrib_ptr, ds_ptr, T, S, K, H, HG, NHB, G, Dqk, Dv, W, offset, scale, scale_log2,
+                    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, sdo_b, sdo_t, sdo_h, skm_b, skm_s,
+                    t0, R, slice_picks,
+                    CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, ALIAS: tl.constexpr,
+                    FOLD: tl.constexpr, MULTI_HB: tl.constexpr, PREC: tl.constexpr, DA: tl.constexpr,
+                    BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                    CH: tl.constexpr):
+    # The contribution pass of a split backward: one program per (query row, kv group, slice of picks) for ALL
+    # the group's heads, so each pick gets one contribution (W = Dqk + Dv columns, or Dqk with FOLD: dv added
+    # into dk's first Dv columns). Per block of BK picks and head block: S = q k^T and dp = dout v^T
+    # accumulated CH feature columns at a time (q, dout chunks reloaded from cache; in the latent layout a
+    # gathered k chunk is the v chunk too), p and ds, then the contribution CH columns at a time,
+    # ds^T q (* scale) (+ p^T dout), the heads being the MMA's K dimension. Head blocks past the first (more
+    # than BH heads a group) add theirs to the stored columns in order (the program's own: no other reads them).
+    # ds (in q's dtype, as the dq MMA takes it) goes to ds_ptr [chunk rows, H, K] for the dq kernel.
+    pid = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    part = tl.program_id(2).to(tl.int64)
+    b = pid // R
+    t = t0 + pid % R
+    row = b * T + t
+    k_base = k_ptr + b * sk_b + g * sk_g
+    v_base = v_ptr + b * sv_b + g * sv_g
+    idx_row = idx_ptr + row * K
+    km_row = km_ptr + b * skm_b
+    lim = causal_limit(t, offset, offs_ptr, b, HAS_OFFS)
+    j_lo = part * slice_picks
+    j_hi = tl.minimum(j_lo + slice_picks, K)
+    for k0 in range(j_lo, j_hi, BK):
+        ids, ok = load_picks(idx_row, k0, j_hi, S, lim, km_row, skm_s, CAUSAL, HAS_KM, BK)
+        place = tl.load(place_ptr + pid * K + k0 + tl.arange(0, BK), mask=ok, other=0).to(tl.int64)
+        dst = contrib_ptr + (place * G + g) * W
+        for hb in range(0, NHB):
+            hl = hb * BH + tl.arange(0, BH)
+            hmask = hl < HG
+            h = (g * HG + hl).to(tl.int64)
+            q_row = q_ptr + b * sq_b + t * sq_t + h[:, None] * sq_h
+            do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
+            lse2 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0) * LOG2E_C
+            delta = tl.load(delta_ptr + row * H + h, mask=hmask, other=0.0)
+            s = tl.zeros((BH, BK), tl.float32)
+            dp = tl.zeros((BH, BK), tl.float32)
+            for c0 in tl.static_range(0, BDA, CH):
+                cc = c0 + tl.arange(0, CH)
+                qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
+                kc = load_rows(k_base, ids, ok, sk_s, cc, DA)
+                s = mm_acc(qc, tl.trans(kc), s, PREC)
+                if ALIAS:  # DA = Dv: the k chunk is the v chunk
+                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+                    dp = mm_acc(doc, tl.trans(kc), dp, PREC)
             if BDB > 0:
-                dqb += mm(ds, kb, PREC)
-        if DO_KV:
-            place = tl.load(place_ptr + pid * K + k0 + tl.arange(0, BK), mask=ok, other=0).to(tl.int64)
-            dst = contrib_ptr + ((place * NHB + hb) * G + g) * DC
-            ds_t = tl.trans(ds)
-            p_t = tl.trans(p.to(do.dtype))
-            if CH == 0:  # whole tiles, q and dout as held
-                tl.store(dst[:, None] + ca[None, :], mm(ds_t, qa, PREC) * scale,
-                         mask=ok[:, None] & (ca < DA)[None, :])
-                tl.store(dst[:, None] + Dqk + cv[None, :], mm(p_t, do, PREC), mask=ok[:, None] & (cv < Dv)[None, :])
-            else:  # CH columns at a time, q and dout chunks reloaded (cache hits): bounds registers and shared memory
-                for c0 in tl.static_range(0, BDA, CH):
-                    cc = c0 + tl.arange(0, CH)
-                    qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
-                    tl.store(dst[:, None] + cc[None, :], mm(ds_t, qc, PREC) * scale,
-                             mask=ok[:, None] & (cc < DA)[None, :])
+                cb = DA + tl.arange(0, BDB)
+                qb = tl.load(q_row + cb[None, :], mask=hmask[:, None] & (cb < Dqk)[None, :], other=0.0)
+                s = mm_acc(qb, tl.trans(load_rows(k_base, ids, ok, sk_s, cb, Dqk)), s, PREC)
+            if not ALIAS:
                 for c0 in tl.static_range(0, BDV, CH):
                     cc = c0 + tl.arange(0, CH)
                     doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
-                    tl.store(dst[:, None] + Dqk + cc[None, :], mm(p_t, doc, PREC),
-                             mask=ok[:, None] & (cc < Dv)[None, :])
+                    dp = mm_acc(doc, tl.trans(load_rows(v_base, ids, ok, sv_s, cc, Dv)), dp, PREC)
+            kept = ok[None, :] & hmask[:, None]
+            p = tl.where(kept, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+            # as in the row kernel: dropped picks and padded heads get ds = 0 outright; 16-bit: ds, p rounded
+            ds = tl.where(kept, p * (dp - delta[:, None]), 0.0).to(q_ptr.dtype.element_ty)
+            tl.store(ds_ptr + (pid * H + h)[:, None] * K + (k0 + tl.arange(0, BK))[None, :], ds, mask=kept)
+            ds_t = tl.trans(ds)
+            p_t = tl.trans(p.to(do_ptr.dtype.element_ty))
+            if MULTI_HB:
+                tl.debug_barrier()  # the previous head block's stores are visible to this one's loads
+            for c0 in tl.static_range(0, BDA, CH):
+                cc = c0 + tl.arange(0, CH)
+                m = ok[:, None] & (cc < DA)[None, :]
+                qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
+                val = mm(ds_t, qc, PREC) * scale
+                if FOLD:  # ALIAS, DA = Dv: dk and dv share these columns
+                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+                    val += mm(p_t, doc, PREC)
+                if MULTI_HB:
+                    if hb > 0:
+                        val += tl.load(dst[:, None] + cc[None, :], mask=m, other=0.0)
+                tl.store(dst[:, None] + cc[None, :], val, mask=m)
             if BDB > 0:
-                tl.store(dst[:, None] + cb[None, :], mm(ds_t, qb, PREC) * scale,
-                         mask=ok[:, None] & (cb < Dqk)[None, :])
-    if DO_DQ:
-        dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
-        tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], dqa * scale,
-                 mask=hmask[:, None] & (ca < DA)[None, :])
+                m = ok[:, None] & (cb < Dqk)[None, :]
+                val = mm(ds_t, qb, PREC) * scale
+                if MULTI_HB:
+                    if hb > 0:
+                        val += tl.load(dst[:, None] + cb[None, :], mask=m, other=0.0)
+                tl.store(dst[:, None] + cb[None, :], val, mask=m)
+            if not FOLD:
+                for c0 in tl.static_range(0, BDV, CH):
+                    cc = c0 + tl.arange(0, CH)
+                    m = ok[:, None] & (cc < Dv)[None, :]
+                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+                    val = mm(p_t, doc, PREC)
+                    if MULTI_HB:
+                        if hb > 0:
+                            val += tl.load(dst[:, None] + Dqk + cc[None, :], mask=m, other=0.0)
+                    tl.store(dst[:, None] + Dqk + cc[None, :], val, mask=m)
+
+
+@triton.jit
+def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, B, T, S, K, H, HG, NHB, G, Dqk, offset, scale,
+               sk_b, sk_s, sk_g, skm_b, skm_s, t0, R, slice_picks, dq_T, dq_t0,
+               CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, PREC: tl.constexpr,
+               DA: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    # dq of a split backward from the ds the contribution kernel stored: dq = scale * ds @ k over a row's kept
+    # picks (dropped ones: ds not stored, loaded as 0; their rows load nothing). One program per (query row,
+    # kv group, block of BH heads, slice of picks), the head blocks of a row adjacent in launch order (they
+    # gather the same key rows).
+    GH = G * NHB
+    flat = tl.program_id(0).to(tl.int64)
+    pid = flat // GH
+    g = (flat % GH) // NHB
+    hb = flat % NHB
+    part = tl.program_id(1).to(tl.int64)
+    b = pid // R
+    t = t0 + pid % R
+    row = b * T + t
+    hl = hb * BH + tl.arange(0, BH)
+    hmask = hl < HG
+    h = (g * HG + hl).to(tl.int64)
+    ca = tl.arange(0, BDA)
+    dqa = tl.zeros((BH, BDA), tl.float32)
+    if BDB > 0:
+        cb = DA + tl.arange(0, BDB)
+        dqb = tl.zeros((BH, BDB), tl.float32)
+    k_base = k_ptr + b * sk_b + g * sk_g
+    idx_row = idx_ptr + row * K
+    km_row = km_ptr + b * skm_b
+    lim = causal_limit(t, offset, offs_ptr, b, HAS_OFFS)
+    j_lo = part * slice_picks
+    j_hi = tl.minimum(j_lo + slice_picks, K)
+    for k0 in range(j_lo, j_hi, BK):
+        ids, ok = load_picks(idx_row, k0, j_hi, S, lim, km_row, skm_s, CAUSAL, HAS_KM, BK)
+        ds = tl.load(ds_ptr + (pid * H + h)[:, None] * K + (k0 + tl.arange(0, BK))[None, :],
+                     mask=hmask[:, None] & ok[None, :], other=0.0)
+        dqa = mm_acc(ds, load_rows(k_base, ids, ok, sk_s, ca, DA), dqa, PREC)
         if BDB > 0:
-            tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], dqb * scale,
-                     mask=hmask[:, None] & (cb < Dqk)[None, :])
+            dqb = mm_acc(ds, load_rows(k_base, ids, ok, sk_s, cb, Dqk), dqb, PREC)
+    dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
+    tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], dqa * scale, mask=hmask[:, None] & (ca < DA)[None, :])
+    if BDB > 0:
+        tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], dqb * scale, mask=hmask[:, None] & (cb < Dqk)[None, :])
 
 
 @triton.jit
@@ -229,7 +369,7 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     dq = torch.zeros(B, T, H, Dqk, dtype=torch.float32, device=q.device)
     acc = torch.zeros(B * S, G * DC, dtype=torch.float32, device=q.device)
     if B * T * H > 0 and K > 0 and S > 0:
-        _run(dout, delta, q, k, v, lse, indices, scale, picks, dq, acc)
+        _run(dout, delta, q, k, v, lse, indices, scale, picks, dq, acc, fold=False)
     dkv = acc.view(B, S, G, DC)
     dk, dv = dkv[..., :Dqk], dkv[..., Dqk:]
     if empty == "mean":
@@ -237,24 +377,59 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
-def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, acc: Tensor) -> None:
+def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor, indices: Tensor,
+                    scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor]:
+    """(dq, dkv) in the inputs' dtypes, v being kv[..., :Dv] (contract: ``naive.backward_latent``): dkv = dk with
+    dv added into its first Dv columns, each pick's contribution summed (ds^T q scale + p^T dout) before it is
+    stored, so the buffer holds Dqk floats a pick instead of Dqk + Dv."""
+    B, T, H, Dqk = q.shape
+    S, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
+    dq = torch.zeros(B, T, H, Dqk, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(B * S, G * Dqk, dtype=torch.float32, device=q.device)
+    kv = common.last_dim_unit(kv)
+    if B * T * H > 0 and K > 0 and S > 0:
+        _run(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, dq, acc, fold=True)
+    dkv = acc.view(B, S, G, Dqk)
+    if empty == "mean":
+        add_mean_grad(dkv[..., :Dv], dout, lse)
+    return dq.to(q.dtype), dkv.to(kv.dtype)
+
+
+def contrib_heads(HG: int, dtype: torch.dtype) -> int:
+    """Heads a contribution program handles per head block (all of a group's up to CONTRIB_HEAD_BLOCK)."""
+    return min(common.pow2(HG), CONTRIB_HEAD_BLOCK if dtype != torch.float32 else CONTRIB_HEAD_BLOCK // 2)
+
+
+def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, acc: Tensor, fold: bool) -> None:
     B, T, H, Dqk = q.shape
     S, G, Dv, K = k.shape[1], k.shape[2], v.shape[3], indices.shape[-1]
-    HG, W = H // G, acc.shape[1]
-    q, k, v, dout = (common.last_dim_unit(t) for t in (q, k, v, dout))
+    HG, W = H // G, acc.shape[1] // G
+    q, dout = common.last_dim_unit(q), common.last_dim_unit(dout)
+    if not fold:  # (the latent entry made kv's last stride 1 and took v from it)
+        k, v = common.last_dim_unit(k), common.last_dim_unit(v)
     alias = common.aliases(k, v)
+    assert alias or not fold, "the folded (latent) backward needs v = k[..., :Dv]"
     DA, BDA, BDB, BDV = common.split(Dqk, Dv, alias)
-    BH, launches = passes(HG, BDA, BDB, BDV, q.dtype, K)
+    BH, launches = passes(HG, BDA, BDB, BDV, q.dtype, K, fold)
     NHB = triton.cdiv(HG, BH)
+    split = len(launches) > 1
+    CBH = contrib_heads(HG, q.dtype)
+    CNHB = triton.cdiv(HG, CBH)
+    contrib_blocks = 1 if split else NHB  # a contribution per pick (all heads), or per pick and head block
     step = max(launch[2] for launch in launches)  # slices are a multiple of every pass's BK (powers of two)
-    rows = max(1, min(T, CONTRIB_BYTES // (B * K * NHB * W * 4)))
-    contrib = torch.empty(B * rows * K * NHB * W, dtype=torch.float32, device=q.device)
+    ds_bytes = H * q.element_size() if split else 0  # a split backward's ds [rows, H, K] for the dq kernel
+    rows = max(1, min(T, CONTRIB_BYTES // (B * K * (contrib_blocks * G * W * 4 + ds_bytes))))
+    contrib = torch.empty(B * rows * K * contrib_blocks * G * W, dtype=torch.float32, device=q.device)
+    ds = torch.empty(B * rows * H * K if split else 0, dtype=q.dtype, device=q.device)
     idx = indices.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
     km = picks.key_mask.view(torch.uint8) if picks.key_mask is not None else idx
     km_strides = km.stride() if picks.key_mask is not None else (0, 0)
     prec = common.mma_precision(q.dtype)
+    flags = dict(CAUSAL=bool(picks.causal), HAS_OFFS=picks.offsets is not None, HAS_KM=picks.key_mask is not None,
+                 PREC=prec, DA=DA, BDA=BDA, BDB=BDB)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *km_strides)
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
         place, keys, ends = pick_order(idx[:, t0:t0 + R], t0, S, picks)
@@ -264,16 +439,30 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
         dq_out, dq_T, dq_t0 = dq, T, 0
         if P > 1:
             dq_out, dq_T, dq_t0 = torch.empty(P, B, R, H, Dqk, dtype=torch.float32, device=q.device), R, t0
-        for do_dq, do_kv, BK, CH, warps, stages in launches:
+        if not split:
+            _, _, BK, _, warps, stages = launches[0]
             _row_kernel[(B * R, G * NHB, P)](
-                q, k, v, dout, lse, delta, idx, offs, km, place, dq_out, contrib, B, T, S, K, H, HG, NHB, G, Dqk,
-                Dv, int(picks.offset), float(scale), float(scale) * common.LOG2E, *q.stride()[:3], *k.stride()[:3],
-                *v.stride()[:3], *dout.stride()[:3], *km_strides, t0, R, slice_picks, dq_T, dq_t0,
-                CAUSAL=bool(picks.causal), HAS_OFFS=picks.offsets is not None, HAS_KM=picks.key_mask is not None,
-                ALIAS=alias, PREC=prec, DA=DA, BDA=BDA, BDB=BDB, BDV=BDV, BH=BH, BK=BK, DO_DQ=do_dq, DO_KV=do_kv,
-                CH=CH, num_warps=warps, num_stages=stages)
+                q, k, v, dout, lse, delta, idx, offs, km, place, dq_out, contrib, B, T, S, K, H, HG, NHB, G,
+                Dqk, Dv, int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides, t0, R,
+                slice_picks, dq_T, dq_t0, ALIAS=alias, BDV=BDV, BH=BH, BK=BK, num_warps=warps,
+                num_stages=stages, **flags)
+        else:
+            # contributions (one a pick for all the group's heads) and ds, then dq from ds; the contribution
+            # kernel's slices need not match the dq kernel's (neither changes what a pick contributes)
+            (_, _, BKQ, _, warps_q, stages_q), (_, _, BK, CH, warps, stages) = launches
+            PC = _slices(B * R * G, K, BK, q.device)
+            c_picks = triton.cdiv(triton.cdiv(K, PC), BK) * BK
+            _contrib_kernel[(B * R, G, triton.cdiv(K, c_picks))](
+                q, k, v, dout, lse, delta, idx, offs, km, place, contrib, ds, T, S, K, H, HG, CNHB, G, Dqk, Dv, W,
+                int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides, t0, R, c_picks,
+                ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH, num_warps=warps,
+                num_stages=stages, **flags)
+            _dq_kernel[(B * R * G * NHB, P)](
+                k, idx, offs, km, ds, dq_out, B, T, S, K, H, HG, NHB, G, Dqk, int(picks.offset), float(scale),
+                *k.stride()[:3], *km_strides, t0, R, slice_picks, dq_T, dq_t0, BH=BH, BK=BKQ,
+                num_warps=warps_q, num_stages=stages_q, **flags)
         if P > 1:
             dq[:, t0:t0 + R] = dq_out.sum(0)
         n = keys.numel()
-        _segment_kernel[(triton.cdiv(n, SEGMENT_KEYS), triton.cdiv(W, SEGMENT_COLS))](
-            contrib, keys, ends, acc, n, B * S, W, NHB, BKEY=SEGMENT_KEYS, BC=SEGMENT_COLS)
+        _segment_kernel[(triton.cdiv(n, SEGMENT_KEYS), triton.cdiv(G * W, SEGMENT_COLS))](
+            contrib, keys, ends, acc, n, B * S, G * W, contrib_blocks, BKEY=SEGMENT_KEYS, BC=SEGMENT_COLS)

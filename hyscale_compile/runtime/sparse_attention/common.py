@@ -76,6 +76,19 @@ def mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def mm_acc(a, b, acc, PREC: tl.constexpr):
+    """acc + a @ b, accumulated in the MMA (fp32) under the PREC rule: a dot split along its K dimension into such
+    steps adds its products in the order one dot over the whole K dimension would."""
+    if PREC == "native":
+        c = tl.dot(a, b, acc, out_dtype=tl.float32)
+    elif PREC == "upcast":
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, acc, input_precision=PREC)
+    return c
+
+
+@triton.jit
 def load_picks(idx_row, k0, k_end, S, lim, km_row, skm_s, CAUSAL: tl.constexpr, HAS_KM: tl.constexpr,
                BK: tl.constexpr):
     """Picks k0..k0+BK of a row (those below k_end): (key positions, 0 where dropped; kept)."""

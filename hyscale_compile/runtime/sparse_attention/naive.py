@@ -141,8 +141,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, pick
 
 
 def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, indices: Tensor,
-             scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in the inputs' dtypes. delta [B, T, H] = rowsum(dout * out) - dlse.
+             scale: float, picks: Picks, empty: str, fold: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dq, dk, dv) in the inputs' dtypes. delta [B, T, H] = rowsum(dout * out) - dlse. ``fold``
+    (``backward_latent``): dv added into dk's first Dv columns, None for dv.
 
     p = exp(scale * q.k - lse), dp = dout . v, ds = p * (dp - delta); dq = scale * ds @ k,
     dk = scale * ds^T @ q, dv = p^T @ dout over the kept picks; index_add_ is deterministic on the CPU.
@@ -172,4 +173,15 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     dv = dv.view(B, S, G, Dv)
     if empty == "mean":
         add_mean_grad(dv, dout, lse)
+    if fold:
+        dk[..., :Dv] += dv.view(B * S, G, Dv)
+        return dq.to(q.dtype), dk.view(B, S, G, Dqk).to(k.dtype), None
     return dq.to(q.dtype), dk.view(B, S, G, Dqk).to(k.dtype), dv.to(v.dtype)
+
+
+def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor, indices: Tensor,
+                    scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor]:
+    """(dq, dkv) of the latent form, v = kv[..., :Dv]: dkv is the whole gradient of kv, dk with dv added into its
+    first Dv columns (in fp32, before the cast to kv's dtype)."""
+    dq, dkv, _ = backward(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, empty, fold=True)
+    return dq, dkv
