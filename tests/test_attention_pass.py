@@ -457,3 +457,49 @@ def test_debug_dir_dumps_the_attention_pass(tmp_path):
     assert before and after
     assert "scatter" in (tmp_path / before[0]).read_text()
     assert "hyscale.sparse_attention" in (tmp_path / after[0]).read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# the order of the picks
+
+
+class _UnsortedTopkAttention(torch.nn.Module):
+    """sdpa_bool with the model's own topk(sorted=False): the mask reads the picks as a set."""
+
+    def forward(self, q, k, v, score):
+        idx = score.topk(4, dim=-1, sorted=False).indices
+        Tq, Sk = q.shape[2], k.shape[2]
+        causal = torch.arange(Sk)[None, :] <= torch.arange(Tq)[:, None] + (Sk - Tq)
+        index_mask = torch.ones(q.shape[0], Tq, Sk, dtype=torch.bool).scatter(-1, idx, False)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~index_mask[:, None])
+
+
+def test_unordered_picks_are_ordered_where_the_sparse_op_reads_them():
+    """The sparse op sums its picks in the order given, so an order that changes from run to run (the select's
+    unsorted atomic appends, or whatever topk(sorted=False) returns) would make the model's output change with
+    it: where the attention is rewritten the selection returns its picks sorted, and the reports say so."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        selection.run(gm)
+        attention.run(gm, always=True)
+        graphs.append(gm)
+        return gm.forward
+
+    module, args = da.make("sdpa_bool")
+    score = args[3]
+    with report.collect() as reports:
+        torch.compile(_UnsortedTopkAttention(), backend=backend)(*args[:3], score)
+    (site,) = [r for r in reports if r.kind == "attention"]
+    assert site.decision == "rewritten" and "now returns its picks sorted" in site.reason, site.reason
+    topks = [n for gm in graphs for n in gm.graph.nodes if "topk" in str(n.target)]
+    assert topks and all(n.kwargs.get("sorted", n.args[4] if len(n.args) > 4 else True) is True for n in topks)
+
+    model, inputs = _hf_model("deepseek_v32", attn_implementation="sdpa")
+    counters.clear()
+    with torch.no_grad(), report.collect() as reports:
+        torch.compile(model, backend="hyscale", options={"compiler": "eager"})(**inputs)
+    assert counters["hyscale"]["attention_rewritten"] == len(model.model.layers)
+    assert counters["hyscale"]["selection_unsorted"] == 0, dict(counters["hyscale"])  # selected sorted after all
+    chosen = [r for r in reports if r.kind != "attention" and r.rewritten]
+    assert chosen and all("sums in their order: selected sorted" in r.reason for r in chosen), [r.reason for r in chosen]

@@ -22,6 +22,7 @@ import os
 
 import torch
 from torch import fx
+from torch._dynamo.utils import counters
 
 from . import attention_cost as cost_
 from . import attention_masks as masks_
@@ -86,6 +87,7 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: boo
         layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
         notes.append(estimate)
         rewrite_.rewrite(gm, site, plan, latent)
+        notes.extend(_order_the_picks(site.origin))
         report.decision, report.layout, report.reason = "rewritten", layout, "; ".join(notes)
     except Exception as err:  # a Reject, or a bug of ours, which must never break the user's compile
         undo()
@@ -95,6 +97,32 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: boo
             f"hyscale internal error, site left alone (please report): {type(err).__name__}: {err}")
     record(report)
     return report
+
+
+def _order_the_picks(origin: fx.Node) -> list[str]:
+    """Make the selection feeding a rewritten site return its picks in a reproducible order.
+
+    The dense mask reads the indices as a set, so the selection pass may have asked hyscale.select for them
+    unsorted (in the order of the filter's atomic appends, which changes from run to run), and a model may ask
+    torch.topk for sorted=False. The sparse op sums its picks in the order given: in that order's rounding, so
+    unordered picks would make a deterministic model's output change from run to run. The sorted order is one
+    of the orders a sorted=False top-k may return, so asking for it changes nothing else the graph reads."""
+    if origin.target in (torch.ops.hyscale.select.default, torch.ops.hyscale.select):
+        if origin.kwargs.get("sorted", True) is False:
+            origin.kwargs = {**origin.kwargs, "sorted": True}
+            counters["hyscale"]["selection_unsorted"] -= 1
+            return ["the selection now returns its picks sorted (the sparse op's sums follow their order)"]
+        return []
+    if op_name(origin) == "topk":
+        if origin.kwargs.get("sorted", True) is False:
+            origin.kwargs = {**origin.kwargs, "sorted": True}
+        elif len(origin.args) > 4 and origin.args[4] is not True:
+            origin.args = (*origin.args[:4], True, *origin.args[5:])
+        else:
+            return []
+        return ["the model's topk(sorted=False) now returns its picks sorted (the sparse op's sums follow their "
+                "order; any order is topk's to choose)"]
+    return []
 
 
 def _chain(first: inplace.Undo, second: inplace.Undo) -> inplace.Undo:
@@ -331,6 +359,7 @@ def _additive(site: sites_.Site) -> bool:
 
 
 _STILL_BUILT = "(that mask is still built)"
+_UNSORTED = "only the set of indices is read (a constant scattered at them): selected without the final sort"
 
 
 def amend_selection_reports(selection: list[SiteReport], attention: list[SiteReport]) -> None:
@@ -342,6 +371,9 @@ def amend_selection_reports(selection: list[SiteReport], attention: list[SiteRep
             by_source.setdefault(r.shapes["selection"], []).append(r)
     for r in selection:
         sites = by_source.get(r.source)
+        if r.rewritten and sites and any(s.rewritten for s in sites) and _UNSORTED in r.reason:
+            r.reason = r.reason.replace(_UNSORTED, "only the set of indices is read (a constant scattered at them), "
+                                        "but the sparse attention reading them sums in their order: selected sorted")
         if r.rewritten and sites and all(s.rewritten for s in sites) and _STILL_BUILT in r.reason:
             r.reason = r.reason.replace(_STILL_BUILT, "(the attention pass no longer builds it: "
                                         "hyscale.sparse_attention reads the indices)")
