@@ -22,12 +22,12 @@ from .score_tile import act_fma, tile_values
 
 # Rescore tile: RESCORE_BJ gathered keys x all heads (up to RESCORE_MAX_BH) per MMA, RESCORE_BLOCKS
 # such blocks per program, loaded RESCORE_STAGES ahead of use: faster than 64 keys x 16-head MMAs with
-# per-block weight loads at every training shape (benchmarks/NOTES-selection.md, "Defaults and the
-# measurements behind them": rescore tile).
+# per-block weight loads at every training shape, and 16 blocks a program faster than 8 or 4 at each of them
+# (benchmarks/NOTES-selection.md, "Defaults and the measurements behind them": rescore tile).
 RESCORE_BJ = 128  # most gathered keys per MMA (its M); 64 where a stage would pass RESCORE_STAGE_BYTES
 RESCORE_STAGE_BYTES = 32768
 RESCORE_MAX_BH = 64  # most heads per MMA (its N); 16 is the smallest tensor-core N
-RESCORE_BLOCKS = 8
+RESCORE_BLOCKS = 16
 RESCORE_STAGES = 3
 RESCORE_WARPS = 4
 RESCORE_W_ONCE = True  # the row's head weights loaded once per program, not per block
