@@ -22,6 +22,7 @@ alone: without a cache and a 2-D attention mask HF builds a data-dependent packe
 
     python benchmarks/model.py                       # H200: T = 16384, 32768, 65536; H = 128 and 16
     python benchmarks/model.py --contexts 16384 --heads 128 --modes hyscale,hyscale_select
+    python benchmarks/model.py --contexts 65536 --heads 128 --modes hyscale_sparse --profile  # where a step goes
     python benchmarks/model.py --smoke               # tiny config, any device, prints only
 """
 
@@ -103,7 +104,24 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower()
 
 
-def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str, dtype) -> dict:
+def top_kernels(fn, inputs, device: str, n: int = 12) -> list[tuple[str, float]] | None:
+    """The n device records (kernels, copies) of one more step with the most device time, ms (CUDA only)."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(**inputs).loss.backward()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name[:80]] = totals.get(e.name[:80], 0.0) + e.time_range.elapsed_us() / 1e3
+    return [(name, round(ms, 2)) for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str, dtype,
+             profile: bool = False) -> dict:
     """{"ms": ms per step or "OOM at N GiB" / "error: ...", "peak": bytes or None, "loss", "counters"}."""
     from torch._dynamo.utils import counters
 
@@ -118,7 +136,10 @@ def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str
         fn = make_fn(mode, model, smoke)
         ms, loss = time_steps(fn, inputs, iters, device)
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        return {"ms": round(ms, 3), "peak": peak, "loss": loss, "counters": dict(counters["hyscale"])}
+        got = {"ms": round(ms, 3), "peak": peak, "loss": loss, "counters": dict(counters["hyscale"])}
+        if profile:
+            got["top_kernels"] = top_kernels(fn, inputs, device)
+        return got
     except Exception as e:  # noqa: BLE001  (an OOM anywhere, compile included, is a result; so is a failure)
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
         ms = f"OOM at {peak / 2**30:.1f} GiB" if _is_oom(e) else \
@@ -151,6 +172,8 @@ def main() -> None:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--heads", default=",".join(map(str, HEADS)))
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
+    parser.add_argument("--profile", action="store_true", help="also the kernels of one more step with the most "
+                                                                 "device time, per mode (row key MODE_top_kernels)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "model.json"))
     args = parser.parse_args()
 
@@ -169,12 +192,14 @@ def main() -> None:
                 continue
             row = {"T": T, "H": H, "k": k, **{key: None for key in MODE_KEYS.values()}}  # None: not run
             for mode in modes:
-                got = run_mode(mode, H, T, args.iters, args.smoke, device, dtype)
+                got = run_mode(mode, H, T, args.iters, args.smoke, device, dtype, args.profile)
                 row[MODE_KEYS[mode]] = got["ms"]
                 row[f"{mode}_peak_bytes"] = got["peak"]
                 row[f"{mode}_loss"] = got["loss"]
                 if mode.startswith("hyscale"):
                     row[f"{mode}_counters"] = got["counters"]
+                if "top_kernels" in got:
+                    row[f"{mode}_top_kernels"] = got["top_kernels"]
                 print(f"T={T} H={H} {mode}: {got['ms']} ms, peak {got['peak']}, loss {got['loss']}", flush=True)
             rows.append(row)
             print(json.dumps(row), flush=True)
