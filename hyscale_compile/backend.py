@@ -177,6 +177,7 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
             reports += sites
         else:
             report.log.debug("hyscale: options['attention'] is False: the attention pass does not run")
+        selection.forget_reports(gm)
         report.publish(gm, reports)
     else:
         report.log.debug("hyscale: options['rewrite'] is False: the selection and attention passes do not run")

@@ -92,7 +92,21 @@ def _no_grad_projection(q, k, w, e):
     return _score(q2, k, w).topk(K).values + _touch(q)
 
 
+def _no_grad_view(q, k, w, e):  # a view made under no_grad: Dynamo's example value still says requires_grad
+    with torch.no_grad():
+        k2 = k[:, :, :]
+    return _score(q, k2, w).topk(K).values + _touch(k)
+
+
+def _no_grad_view_of_q(q, k, w, e):
+    with torch.no_grad():
+        q2 = q.transpose(1, 2).transpose(1, 2)
+    return _score(q2, k, w).topk(K).values + _touch(q)
+
+
 MODELS["no_grad_score_topk_after"] = (_no_grad_block, None, "rewritten")
+MODELS["no_grad_view"] = (_no_grad_view, None, "rewritten")
+MODELS["no_grad_view_of_q"] = (_no_grad_view_of_q, None, "rewritten")
 MODELS["no_grad_projection"] = (_no_grad_projection, None, "rewritten")
 
 

@@ -28,7 +28,7 @@ from . import attention_cost as cost_
 from . import attention_masks as masks_
 from . import attention_rewrite as rewrite_
 from . import attention_sites as sites_
-from . import debug, inplace
+from . import debug, inplace, selection
 from .attention_mla import NotLatent, match
 from .graph_ops import Aliases, arg, dtype, mutates, op_name, shape, source_line, value, written_by
 from .index_expr import Reject
@@ -104,25 +104,44 @@ def _order_the_picks(origin: fx.Node) -> list[str]:
 
     The dense mask reads the indices as a set, so the selection pass may have asked hyscale.select for them
     unsorted (in the order of the filter's atomic appends, which changes from run to run), and a model may ask
-    torch.topk for sorted=False. The sparse op sums its picks in the order given: in that order's rounding, so
-    unordered picks would make a deterministic model's output change from run to run. The sorted order is one
-    of the orders a sorted=False top-k may return, so asking for it changes nothing else the graph reads."""
+    for sorted=False itself (torch.topk, indexer_topk, the op). The sparse op sums its picks in the order given:
+    in that order's rounding, so unordered picks would make a deterministic model's output change from run to
+    run. The sorted order is one of the orders a sorted=False top-k may return, so asking for it changes nothing
+    else the graph reads."""
     if origin.target in (torch.ops.hyscale.select.default, torch.ops.hyscale.select):
-        if origin.kwargs.get("sorted", True) is False:
-            origin.kwargs = {**origin.kwargs, "sorted": True}
-            counters["hyscale"]["selection_unsorted"] -= 1
-            return ["the selection now returns its picks sorted (the sparse op's sums follow their order)"]
+        where, words = _SELECT_SORTED, "the selection now returns its picks sorted"
+    elif op_name(origin) == "topk":
+        where, words = _TOPK_SORTED, "the model's topk(sorted=False) now returns its picks sorted"
+    else:
         return []
-    if op_name(origin) == "topk":
-        if origin.kwargs.get("sorted", True) is False:
-            origin.kwargs = {**origin.kwargs, "sorted": True}
-        elif len(origin.args) > 4 and origin.args[4] is not True:
-            origin.args = (*origin.args[:4], True, *origin.args[5:])
-        else:
-            return []
-        return ["the model's topk(sorted=False) now returns its picks sorted (the sparse op's sums follow their "
-                "order; any order is topk's to choose)"]
-    return []
+    if not _set_true(origin, *where):
+        return []
+    report = origin.meta.pop(selection.UNSORTED_REPORT, None)
+    if report is not None:  # the selection pass counted it unsorted and said so
+        counters["hyscale"]["selection_unsorted"] -= 1
+        report.reason = report.reason.replace(selection.UNSORTED_NOTE, _SORTED_AFTER_ALL)
+    return [f"{words} (the sparse op's sums follow their order)"]
+
+
+# (position in the call's arguments, keyword) of the sorted flag: hyscale::select's schema, torch.topk's
+_SELECT_SORTED, _TOPK_SORTED = (14, "sorted"), (4, "sorted")
+_SORTED_AFTER_ALL = ("only the set of indices is read (a constant scattered at them), but the sparse attention "
+                     "reading them sums in their order: selected sorted")
+
+
+def _set_true(node: fx.Node, position: int, keyword: str) -> bool:
+    """Set a call's flag to True, by keyword or position as the call passes it; whether it was False."""
+    if keyword in node.kwargs:
+        if node.kwargs[keyword] is not False:
+            return False
+        node.kwargs = {**node.kwargs, keyword: True}
+        return True
+    if len(node.args) > position:
+        if node.args[position] is not False:
+            return False
+        node.args = (*node.args[:position], True, *node.args[position + 1:])
+        return True
+    return False  # the default: sorted
 
 
 def _chain(first: inplace.Undo, second: inplace.Undo) -> inplace.Undo:
@@ -359,7 +378,6 @@ def _additive(site: sites_.Site) -> bool:
 
 
 _STILL_BUILT = "(that mask is still built)"
-_UNSORTED = "only the set of indices is read (a constant scattered at them): selected without the final sort"
 
 
 def amend_selection_reports(selection: list[SiteReport], attention: list[SiteReport]) -> None:
@@ -371,9 +389,6 @@ def amend_selection_reports(selection: list[SiteReport], attention: list[SiteRep
             by_source.setdefault(r.shapes["selection"], []).append(r)
     for r in selection:
         sites = by_source.get(r.source)
-        if r.rewritten and sites and any(s.rewritten for s in sites) and _UNSORTED in r.reason:
-            r.reason = r.reason.replace(_UNSORTED, "only the set of indices is read (a constant scattered at them), "
-                                        "but the sparse attention reading them sums in their order: selected sorted")
         if r.rewritten and sites and all(s.rewritten for s in sites) and _STILL_BUILT in r.reason:
             r.reason = r.reason.replace(_STILL_BUILT, "(the attention pass no longer builds it: "
                                         "hyscale.sparse_attention reads the indices)")

@@ -26,6 +26,7 @@ from torch import fx
 
 from .attention_sites import Attention, peel_repeat_kv
 from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape
+from .legality import requires_grad
 
 
 @dataclass
@@ -169,4 +170,16 @@ def match(att: Attention) -> Latent:
             raise NotLatent("the per-head keys or values are read elsewhere")
     if op_name(att.k) == "cat" and any(u is not att.node and u not in att.nodes for u in att.k.users):
         raise NotLatent("the per-head keys are read elsewhere")
+    _check_same_grad((v, k_nope), kv, "values and the keys' non-rope part")
+    _check_same_grad((k_rope,), r, "keys' rope part")
     return Latent(w, c, r, H, Dn, Dv, Dc, Dr, kv)
+
+
+def _check_same_grad(parts, source: fx.Node, what: str) -> None:
+    """The latent form sends each part's gradient into its source (the projection's input and weight, the rope
+    key): only right where autograd does too. A part taken under no_grad (or detached) from a source that needs
+    a gradient gets none in the model, and the latent backward would give it one."""
+    want = requires_grad(source)
+    if any(requires_grad(p) != want for p in parts):
+        raise NotLatent(f"the per-head {what} do not carry the gradient their source does (a no_grad or detached "
+                        "slice): the latent form would give it one")

@@ -170,6 +170,27 @@ def value(node: Any) -> Any:
     return node
 
 
+def grad_enabled_at(node: fx.Node) -> bool:
+    """Whether grad mode is on where ``node`` runs. Dynamo records ``torch.no_grad()`` / ``set_grad_enabled``
+    regions as ``_set_grad_enabled`` calls in the graph, in program order, from the mode it traced under (which
+    it guards on, and which the backend runs in). The example values do not always follow them: a view taken
+    under no_grad of a tensor that requires grad is recorded as requiring grad, where eager gives one that does
+    not. Computed for the whole graph at once and kept in each node's meta; a node a pass inserted later counts
+    as the mode around it."""
+    mode = node.meta.get(_GRAD_MODE)
+    if mode is not None:
+        return mode
+    mode = torch.is_grad_enabled()
+    for n in node.graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args:
+            mode = bool(n.args[0])
+        n.meta[_GRAD_MODE] = mode
+    return node.meta.get(_GRAD_MODE, torch.is_grad_enabled())
+
+
+_GRAD_MODE = "hyscale_grad_mode"
+
+
 def infer_value(node: Any, depth: int = 0) -> Any:
     """The example value of a node, also of one a pass inserted without recording it (the selection's outputs
     and the views that put them in the model's layout): computed from its inputs' values on the graph's fake

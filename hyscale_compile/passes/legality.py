@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .graph_ops import dtype, is_one, is_tensor, mutates, op_name, shape, source_line, value
+from .graph_ops import dtype, grad_enabled_at, is_one, is_tensor, mutates, op_name, shape, source_line, value
 from .index_expr import Leaf, Reject, Score
 from .operands import peel_path
 from .sites import Site, describe
@@ -140,8 +140,12 @@ def check_additive_order(sc: Score, node: fx.Node, causal_terms: list[Leaf]) -> 
 
 
 def requires_grad(node) -> bool:
+    """Whether eager's tensor at ``node`` requires grad: its example value says so and it is not made in a
+    no_grad region (graph inputs keep their flag whatever the mode)."""
     v = value(node)
-    return isinstance(v, torch.Tensor) and v.requires_grad
+    if not (isinstance(v, torch.Tensor) and v.requires_grad):
+        return False
+    return node.op != "call_function" and node.op != "call_method" or grad_enabled_at(node)
 
 
 def eager_gradient_reaches(leaf: Leaf, sc: Score, score_node: fx.Node) -> bool:

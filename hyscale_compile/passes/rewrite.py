@@ -166,6 +166,7 @@ def _emit(graph: fx.Graph, site: Site, sc: Score, plan: masks.MaskPlan, scale: f
             offsets=None, starts=plan.starts, ends=plan.ends, mask=bool_mask, bias=bias, fill=plan.fill,
             sorted=site.sorted, causal_additive=plan.causal_additive,
             low_precision_grad=dtype(sc.q.at) in (torch.bfloat16, torch.float16)))
+        site.select = out
         values = graph.call_function(operator.getitem, (out, 0))
         indices = graph.call_function(operator.getitem, (out, 1))
         values, indices = (_to_layout(graph, x, sc, batching, T, S) for x in (values, indices))

@@ -79,6 +79,7 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         report.reason = "; ".join(_notes(site, sc, plan, report, unsort, cuts)) or "indexer form proven"
         if unsort:
             counters["hyscale"]["selection_unsorted"] += 1
+            site.select.meta[UNSORTED_REPORT] = report  # the attention pass may ask for the sort after all
     except Reject as err:
         undo()
         report.reason = err.reason
@@ -91,6 +92,20 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         report.reason = f"hyscale internal error, site left alone (please report): {type(err).__name__}: {err}"
     record(report)
     return report
+
+
+# The meta key under which an unsorted select keeps its report (counted in ``selection_unsorted``), and the
+# report's words for it: the attention pass amends both where it makes the select sort (passes/attention.py).
+UNSORTED_REPORT = "hyscale_unsorted_report"
+UNSORTED_NOTE = "only the set of indices is read (a constant scattered at them): selected without the final sort"
+
+
+def forget_reports(gm: torch.fx.GraphModule) -> None:
+    """Drop the reports kept in the selects' meta once the passes are done (the compiled graph needs none)."""
+    for mod in gm.modules():
+        if isinstance(mod, torch.fx.GraphModule):
+            for node in mod.graph.nodes:
+                node.meta.pop(UNSORTED_REPORT, None)
 
 
 def _notes(site: sites.Site, sc: Score, plan: masks.MaskPlan, report: SiteReport, unsort: bool,
@@ -109,8 +124,7 @@ def _notes(site: sites.Site, sc: Score, plan: masks.MaskPlan, report: SiteReport
         notes.append(f"the selected indices are then scattered into a dense {dense} mask by the model's own code "
                      "(that mask is still built)")
     if unsort:
-        notes.append("only the set of indices is read (a constant scattered at them): selected without the "
-                     "final sort")
+        notes.append(UNSORTED_NOTE)
     return notes
 
 

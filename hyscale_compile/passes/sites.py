@@ -33,6 +33,7 @@ class Site:
     gathers: list[fx.Node]  # score.gather(s_dim, indices)
     extra: tuple[fx.Node, ...] = ()  # other nodes of the selection to erase (a sort's getitems)
     k_at_most_keys: bool = False  # a slice [..., :k] of a sort: k = min(k, S), S symbolic
+    select: fx.Node | None = None  # the hyscale.select node the rewrite inserted
 
 
 def find(node: fx.Node) -> Site:

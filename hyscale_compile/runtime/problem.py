@@ -108,26 +108,34 @@ def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tup
 
 def _static_ranges(B: int, T: int, S: int, causal: bool, offset: int,
                    device: torch.device) -> tuple[Tensor, Tensor]:
-    """Ranges that follow from the sizes alone (causal with an int offset, or none), kept per sizes: a decode
-    step asks for the same ones every call, and building them is three launches of host work. Kept only when
-    built outside a CUDA graph capture: a tensor made during capture holds its values only once the graph
-    replays. Nothing writes them (the kernels only read lo and hi)."""
-    key = (B, T, S, causal, offset, device)
+    """Ranges that follow from the sizes alone (causal with an int offset, or none), kept per sizes and stream:
+    a decode step asks for the same ones every call, and building them is three launches of host work. Nothing
+    writes them (the kernels only read lo and hi).
+
+    Neither kept nor taken from the kept ones while a CUDA graph captures: a tensor made during capture holds
+    its values only once the graph replays, and a kept one handed to a graph would be freed when a newer key
+    evicts it while the graph still reads it (a graph's own are in its pool, which it keeps). The stream is part
+    of the key: an evicted tensor's memory goes back to its stream's pool, reused only by work ordered after
+    the kernels that read it."""
+    if _capturing(device):
+        return _build_ranges(B, T, S, causal, offset, device, _new_zeros(B, T, device))
+    key = (B, T, S, causal, offset, device, _stream(device))
     got = _RANGES.get(key)
-    if got is not None:
-        return got
-    lo = _zeros(B, T, device)
-    if not causal:
-        got = lo, torch.full((B, T), S, dtype=torch.int64, device=device)
-    else:
-        first = offset + 1  # row t sees the keys below t + offset + 1
-        hi = torch.arange(first, first + T, dtype=torch.int64, device=device).clamp_(0, S)
-        got = lo, hi.view(1, T) if B == 1 else hi.expand(B, T).contiguous()
-    if not _capturing(device):
+    if got is None:
+        got = _build_ranges(B, T, S, causal, offset, device, _zeros(B, T, device))
         if len(_RANGES) >= _RANGES_MAX:  # decode steps grow the offset by one a call: keep the newest
             _RANGES.pop(next(iter(_RANGES)))
         _RANGES[key] = got
     return got
+
+
+def _build_ranges(B: int, T: int, S: int, causal: bool, offset: int, device: torch.device,
+                  lo: Tensor) -> tuple[Tensor, Tensor]:
+    if not causal:
+        return lo, torch.full((B, T), S, dtype=torch.int64, device=device)
+    first = offset + 1  # row t sees the keys below t + offset + 1
+    hi = torch.arange(first, first + T, dtype=torch.int64, device=device).clamp_(0, S)
+    return lo, hi.view(1, T) if B == 1 else hi.expand(B, T).contiguous()
 
 
 _RANGES: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -138,15 +146,18 @@ _DUMMIES: dict[torch.device, Tensor] = {}
 def _zeros(B: int, T: int, device: torch.device) -> Tensor:
     """lo of every row without windows: zeros of [B, T] int64, kept per size (a decode step's offset changes
     every call, its row count does not). Read-only, as _static_ranges."""
-    key = (B, T, device)
+    key = (B, T, device, _stream(device))
     got = _ZEROS.get(key)
     if got is None:
-        got = torch.zeros(B, T, dtype=torch.int64, device=device)
-        if not _capturing(device):
-            if len(_ZEROS) >= _RANGES_MAX:
-                _ZEROS.pop(next(iter(_ZEROS)))
-            _ZEROS[key] = got
+        got = _new_zeros(B, T, device)
+        if len(_ZEROS) >= _RANGES_MAX:
+            _ZEROS.pop(next(iter(_ZEROS)))
+        _ZEROS[key] = got
     return got
+
+
+def _new_zeros(B: int, T: int, device: torch.device) -> Tensor:
+    return torch.zeros(B, T, dtype=torch.int64, device=device)
 
 
 _ZEROS: dict[tuple, Tensor] = {}
@@ -156,8 +167,13 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _stream(device: torch.device):
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
 def _dummy(device: torch.device) -> Tensor:
-    """One fp32 element per device for the pointers whose flag is off (never read, never written)."""
+    """One fp32 element per device for the pointers whose flag is off: never read or written, never freed (kept
+    for good, so a graph that captured it never sees it freed)."""
     got = _DUMMIES.get(device)
     if got is None:
         got = torch.empty(1, dtype=torch.float32, device=device)
