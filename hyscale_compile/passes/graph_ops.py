@@ -182,13 +182,14 @@ def grad_enabled_at(node: fx.Node) -> bool:
         return mode
     mode = torch.is_grad_enabled()
     for n in node.graph.nodes:
-        if n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") in _GRAD_MODE_SETTERS and n.args:
             mode = bool(n.args[0])
         n.meta[_GRAD_MODE] = mode
     return node.meta.get(_GRAD_MODE, torch.is_grad_enabled())
 
 
 _GRAD_MODE = "hyscale_grad_mode"
+_GRAD_MODE_SETTERS = ("_set_grad_enabled", "set_grad_enabled")  # torch._C's, as Dynamo records it; torch's
 
 
 def infer_value(node: Any, depth: int = 0) -> Any:
