@@ -178,6 +178,19 @@ def rescore_floor_ms(inputs, k: int, iters: int, device: str, args: tuple | None
     return _wall_ms(run, iters, device)
 
 
+def kernel_ms(fn, name: str | None = None, reps: int = 10) -> float:
+    """Device time per call of ``fn`` (no arguments), CUDA: its device records over ``reps`` calls after one,
+    summed (those whose name holds ``name``, or all), in ms. No host gaps, unlike a wall or event time."""
+    fn()
+    torch.cuda.synchronize()
+
+    def calls():
+        for _ in range(reps):
+            fn()
+
+    return sum(us for n, us in device_records(calls) if name is None or name in n) / reps / 1e3
+
+
 def rescore_device_ms(args: tuple, reps: int = 10) -> dict:
     """Kernel time per call (profiler device records) of the rescore and of its gather floor, and their
     ratio, the issue's measure: the wall times above include the rescore op's host set-up."""
@@ -185,15 +198,7 @@ def rescore_device_ms(args: tuple, reps: int = 10) -> dict:
     out = {}
     for key, name, run in (("rescore_device_ms", "rescore_kernel", lambda: torch.ops.hyscale.rescore(*args)),
                            ("rescore_floor_device_ms", "rescore_floor_kernel", floor_run)):
-        run()
-        torch.cuda.synchronize()
-
-        def calls(run=run):
-            for _ in range(reps):
-                run()
-
-        us = sum(t for n, t in device_records(calls) if name in n)
-        out[key] = round(us / reps / 1e3, 4)
+        out[key] = round(kernel_ms(run, name, reps), 4)
     out["rescore_over_floor"] = round(out["rescore_device_ms"] / out["rescore_floor_device_ms"], 3)
     return out
 

@@ -65,14 +65,7 @@ def device_ms(fn, reps: int = 5) -> float:
     """Kernel time per call: the profiler's device records of ``reps`` calls (no host gaps)."""
     if DEVICE != "cuda":
         return float("nan")
-    fn()
-    torch.cuda.synchronize()
-
-    def calls():
-        for _ in range(reps):
-            fn()
-
-    return round(sum(us for _, us in training.device_records(calls)) / reps / 1e3, 3)
+    return round(training.kernel_ms(fn, reps=reps), 3)
 
 
 @triton.jit

@@ -100,14 +100,7 @@ def device_ms(fn, name: str, reps: int = 10) -> float:
     """Kernel ``name``'s time per call: the profiler's device records of ``reps`` calls (no host gaps)."""
     if DEVICE != "cuda":
         return float("nan")
-    fn()
-    torch.cuda.synchronize()
-
-    def calls():
-        for _ in range(reps):
-            fn()
-
-    return round(sum(us for n, us in training.device_records(calls) if name in n) / reps / 1e3, 4)
+    return round(training.kernel_ms(fn, name, reps), 4)
 
 
 def _compiled(call):
