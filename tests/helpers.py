@@ -68,3 +68,21 @@ def captured(model, *args) -> tuple[list[str], list[str], list]:
 
     torch.compile(model, backend=backend)(*args)
     return before, after, reports
+
+
+def rewritten_with_attention(model, *args) -> tuple[object, list[fx.GraphModule], list]:
+    """(model's output, each Dynamo graph after the selection and attention passes, every report), the passes
+    run as the backend does with ``options["attention"] = "always"`` and the graphs run eagerly."""
+    from hyscale_compile.passes import attention, report
+
+    graphs = []
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        selection.run(gm)
+        attention.run(gm, always=True)
+        graphs.append(gm)
+        return gm.forward
+
+    with report.collect() as reports:
+        out = torch.compile(model, backend=backend)(*args)
+    return out, graphs, reports

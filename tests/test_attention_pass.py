@@ -21,7 +21,7 @@ import os
 
 import pytest
 import torch
-from helpers import flat
+from helpers import flat, rewritten_with_attention
 from models import dsa_attention as da
 from torch._dynamo.utils import counters
 from torch.testing._internal.common_utils import TestCase
@@ -478,18 +478,8 @@ def test_unordered_picks_are_ordered_where_the_sparse_op_reads_them():
     """The sparse op sums its picks in the order given, so an order that changes from run to run (the select's
     unsorted atomic appends, or whatever topk(sorted=False) returns) would make the model's output change with
     it: where the attention is rewritten the selection returns its picks sorted, and the reports say so."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        selection.run(gm)
-        attention.run(gm, always=True)
-        graphs.append(gm)
-        return gm.forward
-
-    module, args = da.make("sdpa_bool")
-    score = args[3]
-    with report.collect() as reports:
-        torch.compile(_UnsortedTopkAttention(), backend=backend)(*args[:3], score)
+    _, args = da.make("sdpa_bool")
+    _, graphs, reports = rewritten_with_attention(_UnsortedTopkAttention(), *args[:4])
     (site,) = [r for r in reports if r.kind == "attention"]
     assert site.decision == "rewritten" and "now returns its picks sorted" in site.reason, site.reason
     topks = [n for gm in graphs for n in gm.graph.nodes if "topk" in str(n.target)]

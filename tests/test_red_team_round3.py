@@ -10,12 +10,13 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rewritten_with_attention
 from models import dsa_attention as da
 from torch._dynamo.utils import counters
 
 import hyscale_compile
 from hyscale_compile.lowering.api import indexer_topk
-from hyscale_compile.passes import attention, report, selection
+from hyscale_compile.passes import report
 from hyscale_compile.runtime import dispatch, problem
 from hyscale_compile.runtime.reference import Visibility
 
@@ -121,16 +122,7 @@ class _OpKeywordUnsorted(torch.nn.Module):
 
 
 def _select_sorted_flags(module, args):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        selection.run(gm)
-        attention.run(gm, always=True)
-        graphs.append(gm)
-        return gm.forward
-
-    with report.collect() as reports:
-        out = torch.compile(module, backend=backend)(*args)
+    out, graphs, reports = rewritten_with_attention(module, *args)
     flags = []
     for gm in graphs:
         for n in gm.graph.nodes:
