@@ -138,19 +138,24 @@ PARTS = [(ops, "check_inputs", "op_checks"), (hytopk, "Problem", "problem"), (hy
          (hytopk, "recover", "recover"), (hytopk, "select", "hytopk_select")]
 
 
-def measure(T: int, S: int, heads: int, dim: int, k: int, route: str | None, calls: int, repeats: int) -> dict:
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, T, heads, dim, generator=g).bfloat16()
-    kx = torch.randn(1, S, dim, generator=g).bfloat16()
-    w = torch.randn(1, T, heads, generator=g)
+def decode_call(T: int, S: int, heads: int, dim: int, k: int, device: str = "cpu"):
+    """One decode-shaped ``indexer_topk`` call (no arguments) on fixed random inputs of ``device``."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, T, heads, dim, generator=g, device=device).bfloat16()
+    kx = torch.randn(1, S, dim, generator=g, device=device).bfloat16()
+    w = torch.randn(1, T, heads, generator=g, device=device)
 
     def call():
         return hyscale_compile.indexer_topk(q, kx, k, weights=w, scale=dim**-0.5, query_offset=S - T, sorted=True)
 
+    return call
+
+
+def measure(T: int, S: int, heads: int, dim: int, k: int, route: str | None, calls: int, repeats: int) -> dict:
+    call = decode_call(T, S, heads, dim, k)
     row = dict(T=T, S=S, H=heads, D=dim, k=k, route=route or "default")
     with stubbed(ROUTES.get(route)):
-        pb = hytopk.Problem(q, kx, w, dim**-0.5, True, hytopk.Visibility(causal=True, offset=S - T), float("-inf"))
-        row["table"] = hytopk.make_plan(pb, k).table
+        row["table"] = plan.table_route(T, S)
         call()
         _launches.clear()
         call()
@@ -181,21 +186,13 @@ def measure(T: int, S: int, heads: int, dim: int, k: int, route: str | None, cal
 def measure_cuda(T: int, S: int, heads: int, dim: int, k: int, route: str | None, calls: int,
                  repeats: int) -> dict:
     """The host time of real calls on CUDA (module docstring, ``--cuda``)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, T, heads, dim, generator=g, device="cuda").bfloat16()
-    kx = torch.randn(1, S, dim, generator=g, device="cuda").bfloat16()
-    w = torch.randn(1, T, heads, generator=g, device="cuda")
-
-    def call():
-        return hyscale_compile.indexer_topk(q, kx, k, weights=w, scale=dim**-0.5, query_offset=S - T, sorted=True)
-
+    call = decode_call(T, S, heads, dim, k, "cuda")
     row = dict(T=T, S=S, H=heads, D=dim, k=k, route=route or "default")
     old_max = plan.TABLE_MAX_BYTES
     if route is not None:
         plan.TABLE_MAX_BYTES = ROUTES[route]
     try:
-        pb = hytopk.Problem(q, kx, w, dim**-0.5, True, hytopk.Visibility(causal=True, offset=S - T), float("-inf"))
-        row["table"] = hytopk.make_plan(pb, k).table
+        row["table"] = plan.table_route(T, S)
         for _ in range(3):
             call()
         torch.cuda.synchronize()
