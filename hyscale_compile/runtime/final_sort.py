@@ -80,9 +80,5 @@ def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
     On a little-endian device an int64 viewed as int32 pairs is (low, high): high is the order key,
     whose bits come back as key ^ 0x7FFFFFFF for negative keys; low is 0xFFFFFFFF - position.
     """
-    words = comp.view(torch.int32).unflatten(-1, (-1, 2))
-    key, low = words[..., 1], words[..., 0]
-    bits = key >> 31
-    bits &= 0x7FFFFFFF
-    bits ^= key
-    return bits.view(torch.float32), torch.bitwise_not(low).long()
+    low = comp.view(torch.int32).unflatten(-1, (-1, 2))[..., 0]
+    return decode_values(comp), torch.bitwise_not(low).long()
