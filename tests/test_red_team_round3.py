@@ -51,9 +51,9 @@ def test_ranges_handed_to_a_graph_capture_outlive_the_cache(fresh_caches, monkey
     refs = [weakref.ref(t) for t in captured]
     del warm, captured
     monkeypatch.setattr(problem, "_capturing", lambda device: False)
-    for step in range(problem._RANGES_MAX + 1):  # later decode steps (the offset grows by one a call) ...
+    for step in range(problem._KEPT_MAX + 1):  # later decode steps (the offset grows by one a call) ...
         problem.ranges(Visibility(causal=True, offset=100 + step), B, 4, 16, CPU)
-    for T in range(5, 5 + problem._RANGES_MAX + 1):  # ... and other row counts
+    for T in range(5, 5 + problem._KEPT_MAX + 1):  # ... and other row counts
         problem.ranges(Visibility(), B, T, 16, CPU)
     gc.collect()
     freed = [s and r() is None for s, r in zip(shared, refs)]

@@ -119,14 +119,8 @@ def _static_ranges(B: int, T: int, S: int, causal: bool, offset: int,
     the kernels that read it."""
     if _capturing(device):
         return _build_ranges(B, T, S, causal, offset, device, _new_zeros(B, T, device))
-    key = (B, T, S, causal, offset, device, _stream(device))
-    got = _RANGES.get(key)
-    if got is None:
-        got = _build_ranges(B, T, S, causal, offset, device, _zeros(B, T, device))
-        if len(_RANGES) >= _RANGES_MAX:  # decode steps grow the offset by one a call: keep the newest
-            _RANGES.pop(next(iter(_RANGES)))
-        _RANGES[key] = got
-    return got
+    return _kept(_RANGES, (B, T, S, causal, offset, device, _stream(device)),
+                 lambda: _build_ranges(B, T, S, causal, offset, device, _zeros(B, T, device)))
 
 
 def _build_ranges(B: int, T: int, S: int, causal: bool, offset: int, device: torch.device,
@@ -138,29 +132,32 @@ def _build_ranges(B: int, T: int, S: int, causal: bool, offset: int, device: tor
     return lo, hi.view(1, T) if B == 1 else hi.expand(B, T).contiguous()
 
 
+def _kept(cache: dict, key: tuple, make):
+    """cache[key], made on a miss; the oldest entry goes past _KEPT_MAX (decode steps grow the offset by one a
+    call: the newest are the ones asked for again)."""
+    got = cache.get(key)
+    if got is None:
+        got = make()
+        if len(cache) >= _KEPT_MAX:
+            cache.pop(next(iter(cache)))
+        cache[key] = got
+    return got
+
+
 _RANGES: dict[tuple, tuple[Tensor, Tensor]] = {}
-_RANGES_MAX = 64
+_ZEROS: dict[tuple, Tensor] = {}
+_KEPT_MAX = 64
 _DUMMIES: dict[torch.device, Tensor] = {}
 
 
 def _zeros(B: int, T: int, device: torch.device) -> Tensor:
     """lo of every row without windows: zeros of [B, T] int64, kept per size (a decode step's offset changes
     every call, its row count does not). Read-only, as _static_ranges."""
-    key = (B, T, device, _stream(device))
-    got = _ZEROS.get(key)
-    if got is None:
-        got = _new_zeros(B, T, device)
-        if len(_ZEROS) >= _RANGES_MAX:
-            _ZEROS.pop(next(iter(_ZEROS)))
-        _ZEROS[key] = got
-    return got
+    return _kept(_ZEROS, (B, T, device, _stream(device)), lambda: _new_zeros(B, T, device))
 
 
 def _new_zeros(B: int, T: int, device: torch.device) -> Tensor:
     return torch.zeros(B, T, dtype=torch.int64, device=device)
-
-
-_ZEROS: dict[tuple, Tensor] = {}
 
 
 def _capturing(device: torch.device) -> bool:
