@@ -129,13 +129,7 @@ def rescore_floor_kernel(kx_ptr, idx_ptr, out_ptr, T, S, K, picks, skb, sks,
     d_ok = offs_d < D
     sink = tl.zeros((BJ,), dtype=tl.float32)
     for j0 in range(j_lo, j_hi, BJ):
-        j = j0 + tl.arange(0, BJ)
-        j_ok = j < j_hi
-        cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
-        c_ok = j_ok & (cols >= 0) & (cols < S)
-        cols = tl.where(c_ok, cols, 0)
-        kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :],
-                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        _, _, _, _, kg = rs.gather_keys(idx_ptr, kx_ptr, r, b, K, skb, sks, j0, j_hi, S, offs_d, d_ok, BJ)
         sink += tl.sum(kg.to(tl.float32), axis=1)
     tl.store(out_ptr + r * tl.num_programs(1) + tl.program_id(1), tl.sum(sink, axis=0))
 

@@ -119,6 +119,21 @@ def _head_scores(kg, qt, BH: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def gather_keys(idx_ptr, kx_ptr, r, b, K, skb, sks, j0, j_hi, S, offs_d, d_ok, BJ: tl.constexpr):
+    """Picks j0 .. j0 + BJ of row r (those below j_hi): (j, j in range, key positions with dropped ones at 0,
+    positions in [0, S), their key rows [BJ, D] gathered, 0 where dropped). The rescore's loads, which its
+    gather floor (benchmarks/floor.py) walks too."""
+    j = j0 + tl.arange(0, BJ)
+    j_ok = j < j_hi
+    cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
+    c_ok = j_ok & (cols >= 0) & (cols < S)
+    cols = tl.where(c_ok, cols, 0)
+    kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :],
+                 other=0.0)
+    return j, j_ok, cols, c_ok, kg
+
+
+@triton.jit
 def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_ptr, bias_ptr,
                    T, S, K, scale, fill, picks,
                    sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
@@ -161,13 +176,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
         if HAS_W and W_ONCE:
             w_all = _row_weights(w_row, swh, H, NG * BH)
     for j0 in range(j_lo, j_hi, BJ):
-        j = j0 + tl.arange(0, BJ)
-        j_ok = j < j_hi
-        cols = tl.load(idx_ptr + r * K + j, mask=j_ok, other=0)
-        c_ok = j_ok & (cols >= 0) & (cols < S)
-        cols = tl.where(c_ok, cols, 0)
-        kg = tl.load(kx_ptr + b * skb + cols[:, None] * sks + offs_d[None, :],
-                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        j, j_ok, cols, c_ok, kg = gather_keys(idx_ptr, kx_ptr, r, b, K, skb, sks, j0, j_hi, S, offs_d, d_ok, BJ)
         acc = tl.zeros((BJ,), dtype=tl.float32)
         if NG > 0:  # NG MMAs, unrolled, so the block loop stays the innermost (pipelined) loop
             for g in tl.static_range(NG):
