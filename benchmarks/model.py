@@ -108,15 +108,11 @@ def top_kernels(fn, inputs, device: str, n: int = 12) -> list[tuple[str, float]]
     """The n device records (kernels, copies) of one more step with the most device time, ms (CUDA only)."""
     if device != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
+    from training import device_records
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(**inputs).loss.backward()
-        torch.cuda.synchronize()
     totals: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name[:80]] = totals.get(e.name[:80], 0.0) + e.time_range.elapsed_us() / 1e3
+    for name, us in device_records(lambda: fn(**inputs).loss.backward()):
+        totals[name[:80]] = totals.get(name[:80], 0.0) + us / 1e3
     return [(name, round(ms, 2)) for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:n]]
 
 
