@@ -16,9 +16,11 @@ own loss. Modes:
     hyscale_sparse   options={"attention": "always"}: sparse attention at every provable site, faster or not
 
 Per row: T, H, k, ms per step of each mode, peak bytes of each mode, the loss (equal across modes up to bf16
-rounding) and the hyscale counters. A mode that runs out of memory is recorded as "OOM at N GiB". The inputs
-run with HF's cache on (``use_cache=True``) and no padding mask, so the model's own mask is the causal rule
-alone: without a cache and a 2-D attention mask HF builds a data-dependent packed-sequence mask of T x S.
+rounding), the hyscale counters and each attention site's decision and layout. A mode that runs out of memory
+is recorded as "OOM at N GiB". The inputs run with HF's cache on (``use_cache=True``) and no padding mask, so the
+model's own mask is the causal rule alone: without a cache and a 2-D attention mask HF builds a data-dependent
+packed-sequence mask of T x S. (Up to transformers 5.17 that cache stores the per-head keys and values: they are
+still built, and the attention runs in the latent layout all the same.)
 
     python benchmarks/model.py                       # H200: T = 16384, 32768, 65536; H = 128 and 16
     python benchmarks/model.py --contexts 16384 --heads 128 --modes hyscale,hyscale_select
@@ -41,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a source checkout too
 import hyscale_compile  # noqa: E402, F401  (registers backend="hyscale" where no entry point did)
+from hyscale_compile.passes import report  # noqa: E402
 
 CONTEXTS = [16384, 32768, 65536]
 HEADS = [128, 16]
@@ -130,9 +133,11 @@ def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str
     try:
         model, inputs = build(heads, T, smoke, device, dtype)
         fn = make_fn(mode, model, smoke)
-        ms, loss = time_steps(fn, inputs, iters, device)
+        with report.collect() as sites:
+            ms, loss = time_steps(fn, inputs, iters, device)
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        got = {"ms": round(ms, 3), "peak": peak, "loss": loss, "counters": dict(counters["hyscale"])}
+        got = {"ms": round(ms, 3), "peak": peak, "loss": loss, "counters": dict(counters["hyscale"]),
+               "attention": [f"{r.decision}: {r.layout or r.reason[:200]}" for r in sites if r.kind == "attention"]}
         if profile:
             got["top_kernels"] = top_kernels(fn, inputs, device)
         return got
@@ -194,6 +199,7 @@ def main() -> None:
                 row[f"{mode}_loss"] = got["loss"]
                 if mode.startswith("hyscale"):
                     row[f"{mode}_counters"] = got["counters"]
+                    row[f"{mode}_attention"] = got.get("attention")  # each attention site: decision and layout
                 if "top_kernels" in got:
                     row[f"{mode}_top_kernels"] = got["top_kernels"]
                 print(f"T={T} H={H} {mode}: {got['ms']} ms, peak {got['peak']}, loss {got['loss']}", flush=True)

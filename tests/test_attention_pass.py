@@ -283,6 +283,29 @@ def test_mla_absorbed_and_per_head_fallback(attn):
         torch.testing.assert_close(a, b, **GRAD_TOL)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("keys,cache,latent", [
+    ("buffer", None, True), ("cat", "first", True), ("buffer", "first", True), ("cat", "first_fp32", False),
+    ("buffer", "past", False), ("written_through_alias", None, False)])
+def test_mla_layout_follows_what_the_model_reads(attn, keys, cache, latent):
+    """The latent layout where the attention's per-head keys and values are the expansion's values, also where
+    something else still reads them (HF's cache up to transformers 5.17: an output of the graph, fed by a cat
+    with an empty past); the per-head layout where they are not provably those values (a cat that promotes,
+    earlier keys of a cache, a write through a view of the projection): always eager's values and gradients."""
+    module, args = da.make_mla(attn, requires_grad=True, keys=keys, cache=cache)
+    with report.collect() as reports:
+        out, ref, grads, ref_grads = _compiled_and_eager(module, args)
+    (site,) = [r for r in reports if r.kind == "attention"]
+    assert site.decision == "rewritten", site.reason
+    assert site.layout.startswith("MLA latent") == latent, site.reason
+    if latent:
+        assert ("still built for the graph's output" in site.reason) == (cache == "first"), site.reason
+    elif keys == "written_through_alias":
+        assert "mul_" in site.reason and "latent layout would not see it" in site.reason, site.reason
+    for a, b in zip(out + list(grads), ref + list(ref_grads)):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+
+
 def _captured(module, args):
     """(code before the attention pass, code after, attention reports) of each graph."""
     before, after, reports = [], [], []

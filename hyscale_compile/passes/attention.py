@@ -82,8 +82,8 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: boo
         report.mask_kind = plan.kind
         _check_gain(site)
         latent, why_not = _latent(site)
-        check_no_mutation_between(site, plan, latent)
-        estimate = _check_pays(site, latent, always)
+        check_no_mutation_between(site, plan)
+        estimate = _check_pays(site, latent, always, why_not)
         layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
         notes.append(estimate)
         rewrite_.rewrite(gm, site, plan, latent)
@@ -212,7 +212,7 @@ def _functionalize_scatter(graph: fx.Graph, scatter: fx.Node) -> inplace.Undo:
 # legality beyond the mask
 
 
-def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan, latent=None) -> None:
+def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan) -> None:
     """Nothing may write in place (any spelling: ``x.mul_``, ``x[i] = v``, ``x += 1``, ``torch._foreach_add_``,
     ``out=``, a module call) a tensor the pass reads, or one sharing its memory, where that would change what the
     op computes:
@@ -221,30 +221,55 @@ def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan, latent=N
       constants and the model's masks; the index mask and the indices, whose top-k origin makes them distinct):
       from where it is made up to the attention, since a write would change the value the pass inferred;
     * what the op reads as a value at the attention, where the model read it earlier: eager's q and k (read by
-      the q.k^T product), keys and values read under HF's ``repeat_kv`` (read where repeated), the latent, rope key
-      and up-projection (read where expanded): from the model's read up to the attention."""
-    graph = site.scatter.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
+      the q.k^T product), keys and values read under HF's ``repeat_kv`` (read where repeated): from the model's
+      read up to the attention.
+
+    The latent layout reads more (``latent_write``)."""
     att = site.attention
     reads = [(x, x) for x in (*plan.nodes, site.base, *att.nodes, *_index_chain(site))]
     for x, at in ((att.q, att.product or att.node), (att.k, att.product or att.node), (att.v, att.node)):
         peeled, n = sites_.peel_repeat_kv(x)
         reads.append((peeled, x.args[0].args[0]) if n > 1 else (x, at))
-    if latent is not None:
-        reads += [(x, min(x.users, key=order.get)) for x in (latent.weight, latent.latent, latent.rope)]
+    found = _write_between(site, reads, set(site.chain))
+    if found is not None:
+        n, x = found
+        raise Reject(f"{describe(n)} at {source_line(n)} may change {x.name} after the model read it and before the "
+                     "attention, where the op would read it", site.scatter)
+
+
+def latent_write(site: sites_.Site, latent) -> str | None:
+    """Why the latent layout would not compute what the model does, or None: the op reads the latent, rope key and
+    up-projection at the attention where the model read them at the expansion, and computes from them what the
+    model reads from its per-head keys and values; nothing may write either (any view) in between."""
+    order = {n: i for i, n in enumerate(site.scatter.graph.nodes)}
+    reads = [(x, min(x.users, key=order.get)) for x in (latent.weight, latent.latent, latent.rope)]
+    reads += [(x, x) for x in latent.built]
+    found = _write_between(site, reads, {*site.chain, *latent.copies})
+    if found is None:
+        return None
+    n, x = found
+    return (f"{describe(n)} at {source_line(n)} may change {x.name} between the expansion and the attention, where "
+            "the latent layout would not see it")
+
+
+def _write_between(site: sites_.Site, reads, skip: set) -> tuple[fx.Node, fx.Node] | None:
+    """(a node that may write x, x) for the first write, before the attention, to a tensor x of reads (x, at)
+    after its read at ``at``; None if there is none."""
+    graph = site.scatter.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
     aliases = Aliases(graph)
-    end = order[att.node]
+    end = order[site.attention.node]
     for n in graph.nodes:
         if order[n] >= end:
             break
-        if not mutates(n) or n in site.chain:
+        if not mutates(n) or n in skip:
             continue
         targets = written_by(n)
         for x, at in reads:
             if isinstance(x, fx.Node) and order[n] > order[at] and (
                     targets is None or any(aliases.may_alias(t, x) for t in targets)):
-                raise Reject(f"{describe(n)} at {source_line(n)} may change {x.name} after the model read it and "
-                             "before the attention, where the op would read it", site.scatter)
+                return n, x
+    return None
 
 
 def _index_chain(site: sites_.Site) -> list[fx.Node]:
@@ -290,9 +315,9 @@ def _cost_shape(site: sites_.Site, latent) -> cost_.Shape | None:
     return cost_.Shape(**common, G=G, Dqk=Dqk, Dv=Dv, aliased=False)
 
 
-def _check_pays(site: sites_.Site, latent, always: bool) -> str:
+def _check_pays(site: sites_.Site, latent, always: bool, why_not: str | None = None) -> str:
     """Leave the attention dense where the op is estimated slower than the model's (``attention_cost``); the
-    estimate in words for the report."""
+    estimate in words for the report (a rejection says why an MLA site was estimated in the per-head layout)."""
     s = _cost_shape(site, latent)
     if s is None:
         if always:
@@ -305,8 +330,9 @@ def _check_pays(site: sites_.Site, latent, always: bool) -> str:
         return words
     if always:
         return words + ": not faster, rewritten as options['attention'] is 'always'"
-    raise Reject(f"not faster: {words}; the attention is left dense (options['attention'] = 'always' rewrites it "
-                 "anyway, e.g. for the memory of the dense masks)", site.scatter)
+    layout = f" in the per-head layout (the MLA up-projection is not absorbed: {why_not})" if why_not else ""
+    raise Reject(f"not faster: {words}{layout}; the attention is left dense (options['attention'] = 'always' "
+                 "rewrites it anyway, e.g. for the memory of the dense masks)", site.scatter)
 
 
 def _latent(site: sites_.Site):
@@ -315,9 +341,11 @@ def _latent(site: sites_.Site):
         return None, (f"the attention runs under autocast in {att.dtype}, and the absorbed projections would run "
                       "in another precision than the model's")
     try:
-        return match(att), None
+        latent = match(att)
     except NotLatent as err:
         return None, str(err)
+    why_not = latent_write(site, latent)
+    return (None, why_not) if why_not else (latent, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,8 +389,10 @@ def _notes(site: sites_.Site, plan: masks_.MaskPlan, latent, why_not: str | None
                      "casts them for the model's attention")
     if latent is not None:
         Dk = latent.Dn + latent.Dr
+        built = (f"are still built for {', '.join(latent.kept_for)}" if latent.kept_for else
+                 "are not expanded")
         notes.append(f"the key/value up-projection is absorbed into the queries and the output (MLA latent layout): "
-                     f"per-head keys [{latent.H}, S, {Dk}] and values [{latent.H}, S, {latent.Dv}] are not expanded; "
+                     f"per-head keys [{latent.H}, S, {Dk}] and values [{latent.H}, S, {latent.Dv}] {built}; "
                      "the scores are the same sums in another order (equal up to rounding)")
     elif why_not:
         notes.append(f"the MLA up-projection is not absorbed ({why_not}): the per-head keys and values are gathered")

@@ -14,8 +14,13 @@ With W = kv_b_proj.weight viewed [H, Dn + Dv, Dc], W_uk = W[:, :Dn], W_uv = W[:,
 so the attention can run on q' = [q_nope W_uk[h], q_rope] against one latent row [c_s, r_s] (the op's G = 1
 layout, v = its first Dc features), and the output is projected per head after (as FlashMLA, TileLang's sparse
 MLA and Megatron's absorbed MLA do). The scores are the same numbers up to the order of the sums: the scale is
-unchanged. Legal when the expanded K and V have no other reader (nothing else needs them to exist), the
-projection has no bias, and the dtypes agree; ``match`` checks that and names what it would erase.
+unchanged. Legal when the projection has no bias, the dtypes agree, and the per-head K and V the model reads
+at the attention are the expansion's values: the pass checks that nothing writes them (any view of them)
+between the projection and the attention (``attention.latent_write`` reads ``Latent.built``).
+Where something else reads them (HF's dynamic cache in transformers <= 5.17 stores the per-head K and V, on its
+first update as ``cat([torch.tensor([]), keys], -2)``: a copy, peeled), they are still built for that reader,
+and the attention runs in the latent layout all the same; a cache holding earlier keys has no latent for them in
+the graph, and the site keeps the per-head layout.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from .attention_sites import Attention, peel_repeat_kv
-from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape
-from .legality import requires_grad
+from .attention_sites import Attention, peel_empty_cat, peel_repeat_kv
+from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
+from .legality import METADATA_READERS, requires_grad
+from .sites import describe
 
 
 @dataclass
@@ -40,6 +46,11 @@ class Latent:
     Dc: int
     Dr: int
     expanded: fx.Node  # the per-head kv [B, H, S, Dn + Dv]: what no longer needs to exist
+    # the model's per-head values from the projection to the attention's k and v (views of them included): the
+    # op no longer reads them, so nothing may write them before the attention
+    built: tuple[fx.Node, ...] = ()
+    copies: tuple[fx.Node, ...] = ()  # the two copy_ that write the key buffer (HF's expand_kv)
+    kept_for: tuple[str, ...] = ()  # who else reads the per-head keys and values (they are still built for it)
 
 
 class NotLatent(Exception):
@@ -87,8 +98,6 @@ def _expansion(kv: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int, int]:
     c, w = arg(lin, 0, "input"), arg(lin, 1, "weight")
     if shape(w) is None or len(shape(w)) != 2 or shape(c) is None:
         raise NotLatent("the projection's weight is not a matrix")
-    if len(view.users) != 1 or len(lin.users) != 1:
-        raise NotLatent("the projection's output is read elsewhere")
     return lin, w, c, H, X
 
 
@@ -100,25 +109,31 @@ def _rope(node: fx.Node, H: int) -> fx.Node:
     return node.args[0]
 
 
-def _key_parts(k: fx.Node, att: Attention) -> tuple[fx.Node, fx.Node]:
-    """(k_nope, k_rope_expanded) of ``cat((k_nope, k_rope), -1)`` or of a ``new_empty`` buffer written by two
-    ``copy_`` into its ``[..., :Dn]`` and ``[..., Dn:]`` slices (HF's ``expand_kv``)."""
+# Readers that copy what they read into a new tensor: they cannot write the key buffer.
+_COPYING_READERS = {"cat", "stack", "clone", "contiguous"}
+
+
+def _key_parts(k: fx.Node, att: Attention) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]:
+    """(k_nope, k_rope_expanded, the copies) of ``cat((k_nope, k_rope), -1)`` or of a ``new_empty`` buffer written
+    by two ``copy_`` into its ``[..., :Dn]`` and ``[..., Dn:]`` slices (HF's ``expand_kv``), which only the
+    attention and copying readers read, after both copies."""
     if op_name(k) == "cat":
         parts, dim = k.args[0], arg(k, 1, "dim", 0)
         if normalize_dim(dim, 4) != 3 or len(parts) != 2:
             raise NotLatent("the keys are not [k_nope, k_rope] along the features")
-        return parts[0], parts[1]
+        return parts[0], parts[1], ()
     if op_name(k) != "new_empty":
         raise NotLatent("the keys are neither a concatenation nor a buffer written in two parts")
-    writes = {}
+    writes, readers = {}, []
     for u in k.users:
-        if u is att.node or u in att.nodes:
+        if u is att.node or u in att.nodes or op_name(u) in _COPYING_READERS and k not in u.kwargs.values():
+            readers.append(u)
             continue
         x, lo, hi = _slice_of(u)
         copies = list(u.users)
         if len(copies) != 1 or op_name(copies[0]) != "copy_" or copies[0].args[0] is not u or copies[0].users:
             raise NotLatent("the key buffer is read or written other than by two copies")
-        writes[(lo, hi)] = copies[0].args[1]
+        writes[(lo, hi)] = copies[0]
     n = shape(k)[-1]
     if len(writes) != 2:
         raise NotLatent("the key buffer is not written in exactly two parts")
@@ -126,15 +141,15 @@ def _key_parts(k: fx.Node, att: Attention) -> tuple[fx.Node, fx.Node]:
     if a[0] != 0 or a[1] != b[0] or b[1] != n:
         raise NotLatent("the key buffer's two parts do not cover it")
     order = {x: i for i, x in enumerate(k.graph.nodes)}
-    copies = [c for u in k.users if op_name(u) == "getitem" for c in u.users]
-    if any(order[c] > order[att.node] for c in copies):
-        raise NotLatent("the key buffer is written after the attention")
-    return writes[a], writes[b]
+    if max(order[c] for c in writes.values()) > min(order[r] for r in (*readers, att.node)):
+        raise NotLatent("the key buffer is read before it is written")
+    return writes[a].args[1], writes[b].args[1], (writes[a], writes[b])
 
 
 def match(att: Attention) -> Latent:
     """The latent form of this attention's k and v, or NotLatent with the reason."""
     v, n_rep = peel_repeat_kv(att.v)
+    v = peel_empty_cat(v)
     try:
         kv, lo_v, hi_v = _slice_of(v)
         if n_rep != 1 or op_name(kv) != "transpose" or op_name(kv.args[0]) != "reshape" or op_name(
@@ -143,7 +158,8 @@ def match(att: Attention) -> Latent:
     except NotLatent:  # not the MLA shape at all: nothing to say
         raise NotLatent("") from None
     lin, w, c, H, X = _expansion(kv)
-    k_nope, k_rope = _key_parts(att.k, att)
+    k = peel_empty_cat(att.k)
+    k_nope, k_rope, copies = _key_parts(k, att)
     kv2, lo_k, hi_k = _slice_of(k_nope)
     if kv2 is not kv or lo_k != 0 or hi_k != lo_v or hi_v != shape(kv)[-1]:
         raise NotLatent("the keys and values are not the two parts of one per-head projection")
@@ -160,19 +176,37 @@ def match(att: Attention) -> Latent:
     c_shape = shape(c)
     if len(c_shape) == 4 and not is_one(c_shape[1]) or len(c_shape) not in (3, 4):
         raise NotLatent("the latent is not [B, S, Dc] or [B, 1, S, Dc]")
-    readers = {u for u in kv.users if op_name(u) not in ("split", "new_empty", "getitem")}
-    if readers:
-        raise NotLatent("the per-head keys and values are read elsewhere")
-    for part in (v, k_nope):
-        others = [u for u in part.users if u is not att.node and u not in att.nodes and op_name(u) not in (
-            "copy_", "cat")]
-        if others:
-            raise NotLatent("the per-head keys or values are read elsewhere")
-    if op_name(att.k) == "cat" and any(u is not att.node and u not in att.nodes for u in att.k.users):
-        raise NotLatent("the per-head keys are read elsewhere")
     _check_same_grad((v, k_nope), kv, "values and the keys' non-rope part")
     _check_same_grad((k_rope,), r, "keys' rope part")
-    return Latent(w, c, r, H, Dn, Dv, Dc, Dr, kv)
+    built = _built(lin, (att.k, att.v, *copies))
+    return Latent(w, c, r, H, Dn, Dv, Dc, Dr, kv, built, copies, _other_readers(built, att, copies))
+
+
+def _built(lin: fx.Node, ends: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    """The nodes on a path from the projection to the attention's k or v (or to the copies that write the key
+    buffer): the per-head values the model builds."""
+    up, todo = set(), list(ends)
+    while todo:
+        n = todo.pop()
+        if n not in up:
+            up.add(n)
+            todo.extend(n.all_input_nodes)
+    down, todo = set(), [lin]
+    while todo:
+        n = todo.pop()
+        if n in up and n not in down:
+            down.add(n)
+            todo.extend(n.users)
+    return tuple(n for n in lin.graph.nodes if n in down)
+
+
+def _other_readers(built: tuple[fx.Node, ...], att: Attention, copies: tuple[fx.Node, ...]) -> tuple[str, ...]:
+    """Who, besides the attention, reads the per-head keys and values (the model's cache, say)."""
+    inside = {*built, att.node, *att.nodes}
+    words = [("the graph's output (a cache, say)" if u.op == "output" else f"{describe(u)} at {source_line(u)}")
+             for x in built for u in x.users
+             if u not in inside and not (op_name(u) in METADATA_READERS and u.args[0] is x)]
+    return tuple(dict.fromkeys(words))
 
 
 def _check_same_grad(parts, source: fx.Node, what: str) -> None:

@@ -464,6 +464,23 @@ def _untransposed(kt) -> fx.Node | None:
     return None
 
 
+def peel_empty_cat(node):
+    """x for ``cat([past, x], dim)`` whose other parts are empty and whose result has x's shape and dtype (HF's
+    dynamic cache on its first update: ``cat([torch.tensor([]), keys], -2)``): the same values, a copy; else node.
+    The dtype is compared because cat promotes: an empty fp32 past makes bf16 keys fp32."""
+    if op_name(node) != "cat" or not isinstance(node.args[0], (list, tuple)):
+        return node
+    full = [p for p in node.args[0] if not (isinstance(p, fx.Node) and _is_empty(shape(p)))]
+    if len(full) != 1 or not isinstance(full[0], fx.Node):
+        return node
+    x = full[0]
+    return x if dtype(x) == dtype(node) and same_shape(shape(x), shape(node)) else node
+
+
+def _is_empty(s) -> bool:
+    return s is not None and any(isinstance(d, int) and d == 0 for d in s)
+
+
 def peel_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
     """HF's ``repeat_kv``: ``x[:, :, None].expand(B, G, n, S, D).reshape(B, G * n, S, D)`` -> (x, n); else (node, 1).
 

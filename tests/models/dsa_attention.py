@@ -96,9 +96,10 @@ class MlaAttention(nn.Module):
     attention under a scattered index mask. The latent c [B, S, Dc] and rope key r [B, 1, S, Dr] are inputs."""
 
     def __init__(self, attn: str = "sdpa", bias: bool = False, heads: int = H, dc: int = 16, dr: int = 8,
-                 dn: int = 16, dv: int = 12, k: int = 4):
+                 dn: int = 16, dv: int = 12, k: int = 4, keys: str = "cat", cache: str | None = None):
         super().__init__()
         self.attn, self.heads, self.dn, self.dv, self.k = attn, heads, dn, dv, k
+        self.keys, self.cache = keys, cache
         self.kv_b = nn.Linear(dc, heads * (dn + dv), bias=bias)
         self.scale = (dn + dr) ** -0.5
 
@@ -106,22 +107,49 @@ class MlaAttention(nn.Module):
         Bq, Sk = c.shape[0], c.shape[1]
         Tq = q.shape[2]
         kv = self.kv_b(c).view(Bq, Sk, self.heads, self.dn + self.dv).transpose(1, 2)
+        if self.keys == "written_through_alias":  # the per-head values changed after the projection, via a view
+            kv[..., -1:].mul_(2)
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)
-        k = torch.cat((k_nope, r.expand(-1, self.heads, -1, -1)), dim=-1)
+        r_heads = r.expand(-1, self.heads, -1, -1)
+        if self.keys == "buffer":  # HF's expand_kv: a new buffer written in two parts
+            k = k_nope.new_empty((*k_nope.shape[:-1], self.dn + r.shape[-1]))
+            k[..., :self.dn].copy_(k_nope)
+            k[..., self.dn:].copy_(r_heads)
+        else:
+            k = torch.cat((k_nope, r_heads), dim=-1)
+        kept = ()
+        if self.cache == "first":  # HF's DynamicLayer.update on an empty cache (transformers <= 5.17)
+            k = torch.cat([torch.tensor([], dtype=k.dtype), k], dim=-2)
+            v = torch.cat([torch.tensor([], dtype=v.dtype), v], dim=-2)
+            kept = (k, v)
+        elif self.cache == "first_fp32":  # an empty cache of another dtype: the cat promotes, it is no copy
+            k = torch.cat([torch.tensor([], dtype=torch.float64), k], dim=-2).to(k.dtype)
+            v = torch.cat([torch.tensor([], dtype=torch.float64), v], dim=-2).to(v.dtype)
+        elif self.cache == "past":  # a cache holding earlier keys: they have no latent in the graph
+            k = torch.cat([k[:, :, :3], k[:, :, 3:]], dim=-2)
+            v = torch.cat([v[:, :, :3], v[:, :, 3:]], dim=-2)
         idx = score.topk(self.k, dim=-1).indices
         causal = torch.arange(Sk)[None, :] <= torch.arange(Tq)[:, None] + (Sk - Tq)
         index_mask = torch.ones(Bq, Tq, Sk, dtype=torch.bool).scatter(-1, idx, False).unsqueeze(1)
         if self.attn == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~index_mask, scale=self.scale)
-        mask = torch.where(causal, 0.0, torch.finfo(q.dtype).min).masked_fill(index_mask, torch.finfo(q.dtype).min)
-        w = torch.matmul(q, k.transpose(2, 3)) * self.scale + mask
-        return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~index_mask, scale=self.scale)
+        else:
+            mask = torch.where(causal, 0.0, torch.finfo(q.dtype).min).masked_fill(index_mask,
+                                                                                  torch.finfo(q.dtype).min)
+            w = torch.matmul(q, k.transpose(2, 3)) * self.scale + mask
+            out = torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        return (out, *kept) if kept else out
 
 
-def make_mla(attn: str = "sdpa", *, bias: bool = False, seed: int = 0, requires_grad: bool = False):
-    """(module, args) of ``MlaAttention``: q [B, H, T, 24], c [B, S, 16], r [B, 1, S, 8], score [B, T, S]."""
+def make_mla(attn: str = "sdpa", *, bias: bool = False, seed: int = 0, requires_grad: bool = False, keys: str = "cat",
+             cache: str | None = None):
+    """(module, args) of ``MlaAttention``: q [B, H, T, 24], c [B, S, 16], r [B, 1, S, 8], score [B, T, S].
+
+    keys: how the per-head keys are built ("cat", "buffer" as HF's expand_kv, "written_through_alias": then
+    changed through a view of the projection); cache: None, "first" (HF's dynamic cache on its first update:
+    the keys and values also returned), "first_fp32" (an empty cache of another dtype), "past" (earlier keys)."""
     torch.manual_seed(seed)
-    module = MlaAttention(attn, bias=bias)
+    module = MlaAttention(attn, bias=bias, keys=keys, cache=cache)
     g = torch.Generator().manual_seed(seed)
     q, c, r = torch.randn(B, H, T, 24, generator=g), torch.randn(B, S, 16, generator=g), torch.randn(B, 1, S, 8,
                                                                                                        generator=g)
