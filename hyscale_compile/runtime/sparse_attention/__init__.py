@@ -7,6 +7,7 @@ under TRITON_INTERPRET=1, and ``force_backend("reference")`` the reference on CU
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .. import dispatch
@@ -30,11 +31,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, pi
     return naive.forward(q, k, v, indices, scale, picks, empty)
 
 
+# Elements of dout a row_delta step upcasts at once: its fp32 temporaries stay at 256 MB each, where the whole
+# [B, T, H, Dv] at once would be three of 17 GB for the MLA latent layout at T = 65536.
+ROW_DELTA_ELEMS = 1 << 26
+
+
 def row_delta(dout: Tensor, out: Tensor, dlse: Tensor | None) -> Tensor:
     """[B, T, H] rowsum(dout * out) - dlse in fp32: the softmax backward's per-row term (an lse gradient
-    folds in here: d lse / d score = p)."""
+    folds in here: d lse / d score = p). Query rows in chunks of a fixed size (the same sums for any T)."""
     ct = compute_dtype(dout)
-    delta = (dout.to(ct) * out.to(ct)).sum(-1)
+    B, T, H, Dv = dout.shape
+    delta = torch.empty(B, T, H, dtype=ct, device=dout.device)
+    rows = max(1, ROW_DELTA_ELEMS // max(1, B * H * Dv))
+    for t0 in range(0, T, rows):
+        part = slice(t0, t0 + rows)
+        delta[:, part] = (dout[:, part].to(ct) * out[:, part].to(ct)).sum(-1)
     return delta if dlse is None else delta - dlse.to(ct)
 
 

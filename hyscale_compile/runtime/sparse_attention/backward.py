@@ -34,7 +34,8 @@ returned) folds dv into dk per pick: its contribution is ds^T q scale + [p^T dou
 Extra memory: the contribution buffer, at most CONTRIB_BYTES with the ds buffer (query rows go in chunks under
 it; a per-pick buffer for all rows would be T * K * 576 * 4 bytes, 310 GB for the MLA layer at T = 65536,
 K = 2048), its sort (about 20 bytes a pick of one chunk), the fp32 accumulator of dk and dv [B, S, G, W], and
-the dq partials when a row's picks are split into slices.
+the dq partials when a row's picks are split into slices (fp32; dq itself is stored in q's dtype, each value
+rounded once from its fp32 sum, as a cast after would: at 128 heads x 576 an fp32 dq of T = 65536 is 19 GB).
 
 In the MLA latent layout (v aliasing k's first Dv features) a gathered row is read once: its A block (its
 first Dv features, CH columns at a time in the contribution kernel) is the value row.
@@ -161,9 +162,11 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
         if BDB > 0:
             tl.store(dst[:, None] + cb[None, :], mm(ds_t, qb, PREC) * scale, mask=ok[:, None] & (cb < Dqk)[None, :])
     dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
-    tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], dqa * scale, mask=hmask[:, None] & (ca < DA)[None, :])
+    tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], (dqa * scale).to(dq_ptr.dtype.element_ty),
+             mask=hmask[:, None] & (ca < DA)[None, :])
     if BDB > 0:
-        tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], dqb * scale, mask=hmask[:, None] & (cb < Dqk)[None, :])
+        tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], (dqb * scale).to(dq_ptr.dtype.element_ty),
+                 mask=hmask[:, None] & (cb < Dqk)[None, :])
 
 
 @triton.jit
@@ -307,9 +310,11 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, B, T, S, K, H, 
         if BDB > 0:
             dqb = mm_acc(ds, load_rows(k_base, ids, ok, sk_s, cb, Dqk), dqb, PREC)
     dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
-    tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], dqa * scale, mask=hmask[:, None] & (ca < DA)[None, :])
+    tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], (dqa * scale).to(dq_ptr.dtype.element_ty),
+             mask=hmask[:, None] & (ca < DA)[None, :])
     if BDB > 0:
-        tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], dqb * scale, mask=hmask[:, None] & (cb < Dqk)[None, :])
+        tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], (dqb * scale).to(dq_ptr.dtype.element_ty),
+                 mask=hmask[:, None] & (cb < Dqk)[None, :])
 
 
 @triton.jit
@@ -366,7 +371,7 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     B, T, H, Dqk = q.shape
     S, G, Dv, K = k.shape[1], k.shape[2], v.shape[3], indices.shape[-1]
     DC = Dqk + Dv
-    dq = torch.zeros(B, T, H, Dqk, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(B, T, H, Dqk, dtype=q.dtype, device=q.device)  # the kernels round their fp32 sums once
     acc = torch.zeros(B * S, G * DC, dtype=torch.float32, device=q.device)
     if B * T * H > 0 and K > 0 and S > 0:
         _run(dout, delta, q, k, v, lse, indices, scale, picks, dq, acc, fold=False)
@@ -374,7 +379,7 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     dk, dv = dkv[..., :Dqk], dkv[..., Dqk:]
     if empty == "mean":
         add_mean_grad(dv, dout, lse)
-    return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    return dq, dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
 def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor, indices: Tensor,
@@ -384,7 +389,7 @@ def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int,
     stored, so the buffer holds Dqk floats a pick instead of Dqk + Dv."""
     B, T, H, Dqk = q.shape
     S, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
-    dq = torch.zeros(B, T, H, Dqk, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(B, T, H, Dqk, dtype=q.dtype, device=q.device)  # the kernels round their fp32 sums once
     acc = torch.zeros(B * S, G * Dqk, dtype=torch.float32, device=q.device)
     kv = common.last_dim_unit(kv)
     if B * T * H > 0 and K > 0 and S > 0:
@@ -392,7 +397,7 @@ def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int,
     dkv = acc.view(B, S, G, Dqk)
     if empty == "mean":
         add_mean_grad(dkv[..., :Dv], dout, lse)
-    return dq.to(q.dtype), dkv.to(kv.dtype)
+    return dq, dkv.to(kv.dtype)
 
 
 def contrib_heads(HG: int, dtype: torch.dtype) -> int:
