@@ -8,14 +8,17 @@ on the layout:
 * per-head keys and values (MHA, GQA, MLA not absorbed): every pick gathers G kv heads of Dqk + Dv values,
   and the backward writes and re-reads an fp32 contribution of that width per pick (the deterministic
   reduction of dk and dv). Bandwidth-bound: the op pays only when S is many times k.
-* the MLA latent layout: one gathered row of 576 values serves all H heads. Compute-bound, like dense
-  attention, but on k keys instead of S.
+* the MLA latent layout: one gathered row of 576 values serves all H heads, and the backward writes one
+  contribution of 576 fp32 values a pick for all of them (the latent op folds dv into dk). Compute-bound, like
+  dense attention, but on k keys instead of S.
 
-The rates are fitted to ``benchmarks/sparse_attention.py`` on the H200 (results/sparse_attention.json, the
-three layouts at T = S = 8192, k = 2048, bf16) and to its dense baselines; they are first-order and will move
-with the kernels, which is why the decision is an estimate with a margin and ``options["attention"] = "always"``
-overrides it. A training graph (any of q, k, v needs a gradient) counts forward and backward; an inference
-graph the forward only. Sizes that are symbolic are read at the sizes the graph was traced with.
+The rates are fitted to ``benchmarks/sparse_attention.py`` on the H200 (the GQA and per-head layouts and the
+dense baselines: results/sparse_attention.json; the latent op: results/sparse_attention_latent.json; all at
+T = S = 8192, k = 2048, bf16), and the decisions they give are checked against the DeepSeek-V3.2 layer's measured
+steps (results/model.json; tests/test_attention_cost.py). They are first-order and will move with the kernels,
+which is why the decision is an estimate with a margin and ``options["attention"] = "always"`` overrides it. A
+training graph (any of q, k, v needs a gradient) counts forward and backward; an inference graph the forward
+only. Sizes that are symbolic are read at the sizes the graph was traced with.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ SPARSE_FWD_FLOPS_PER_MS = 1.85e11  # forward: 2 * H * (Dqk + Dv) a pick
 BWD_MS_PER_PICK = 2.05e-6  # backward: fixed cost of a pick (the sort by key, the segment pass)
 BWD_MS_PER_CONTRIB = 5.41e-9  # backward: a pick's fp32 contribution values, written and read back
 BWD_MS_PER_FLOP = 3.8e-11  # backward: the recomputed products
+BWD_MS_PER_FLOP_LATENT = 2.1e-11  # the latent op's backward: stored ds, one contribution kernel for all heads
 HEAD_BLOCK = 64  # query heads of one kv group a backward program handles (contribution rows per pick)
 # Dense attention as the model runs it (SDPA's kernels over all S keys: a boolean or additive mask skips none).
 DENSE_FWD_FLOPS_PER_MS = 3.3e11
@@ -56,7 +60,7 @@ class Shape:
     itemsize: int
     training: bool
     eager: bool  # the model's attention is the eager matmul-softmax-matmul chain (else SDPA)
-    # the op's layout: G kv groups of Dqk + Dv (Dv = 0 when values are the keys' first features: latent MLA)
+    # the op's layout: G kv groups of Dqk + Dv; aliased: the latent MLA op (values are the keys' first features)
     G: int
     Dqk: int
     Dv: int
@@ -73,9 +77,11 @@ def sparse_ms(s: Shape) -> float:
     fwd = picks * max(gathered / GATHER_BYTES_PER_MS, flops / SPARSE_FWD_FLOPS_PER_MS)
     if not s.training:
         return fwd
-    head_blocks = math.ceil(s.H / s.G / HEAD_BLOCK)
-    contrib = head_blocks * s.G * (s.Dqk + s.Dv)
-    return fwd + picks * (BWD_MS_PER_PICK + contrib * BWD_MS_PER_CONTRIB + flops * BWD_MS_PER_FLOP)
+    if s.aliased:  # the latent op: one Dqk-wide contribution a pick and kv group
+        contrib, per_flop = s.G * s.Dqk, BWD_MS_PER_FLOP_LATENT
+    else:  # the row kernel: Dqk + Dv a pick, kv group and block of heads
+        contrib, per_flop = math.ceil(s.H / s.G / HEAD_BLOCK) * s.G * (s.Dqk + s.Dv), BWD_MS_PER_FLOP
+    return fwd + picks * (BWD_MS_PER_PICK + contrib * BWD_MS_PER_CONTRIB + flops * per_flop)
 
 
 def dense_ms(s: Shape) -> float:
