@@ -325,3 +325,21 @@ def test_latent_op_fake_shapes_and_value_dim_errors():
     for bad in (0, 25):
         with pytest.raises(RuntimeError, match="value_dim"):
             torch.ops.hyscale.sparse_attention_latent(q, k, idx, bad, 0.5, False, 0, None, None, "zero")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_delta_in_row_chunks_is_the_whole_rows_sum(monkeypatch, dtype):
+    """The row delta upcasts a bounded number of rows at a time (its fp32 temporaries at the MLA layer's size
+    would be 17 GB each): any chunking gives the rowsum of the upcast product, for rows not a multiple of the
+    chunk, strided inputs and an lse gradient."""
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(2, 11, 3, 8, generator=g).to(dtype)
+    out = torch.randn(2, 3, 11, 8, generator=g).to(dtype).transpose(1, 2)  # strided, as an einsum may leave it
+    dlse = torch.randn(2, 11, 3, generator=g)
+    ct = torch.float32 if dtype != torch.float64 else dtype
+    want = (dout.double() * out.double()).sum(-1) - dlse.double()
+    for elems in (1, 2 * 3 * 8 * 4, 1 << 26):  # a row a step, 4 rows, all rows
+        monkeypatch.setattr(sa, "ROW_DELTA_ELEMS", elems)
+        got = sa.row_delta(dout, out, dlse)
+        assert got.dtype == ct and got.shape == (2, 11, 3)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
