@@ -194,3 +194,35 @@ def test_latent_op_under_inductor():
         f(*leaves).backward()
         grads.append([t.grad for t in leaves])
     close(grads[1], grads[0], tol=1e-3)
+
+
+@pytest.mark.parametrize("cache", [None, "first"])
+def test_mla_rewrite_on_the_kernels_with_and_without_the_cache(cache):
+    """An MLA module as HF writes it (the key buffer of expand_kv), with HF's first cache update (transformers
+    <= 5.17: the per-head keys and values returned) or none: rewritten in the latent layout, the latent op's
+    kernels give eager's output and gradients (fp32: the kernels' MMAs in ieee or tf32x3)."""
+    from models import dsa_attention as da
+
+    from hyscale_compile.passes import report
+
+    torch.manual_seed(0)
+    module = da.MlaAttention("sdpa", heads=16, dc=64, dr=16, dn=32, dv=32, k=24, keys="buffer", cache=cache).cuda()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, T, S = 2, 40, 96
+    args = [torch.randn(B, 16, T, 48, device="cuda", generator=g), torch.randn(B, S, 64, device="cuda", generator=g),
+            torch.randn(B, 1, S, 16, device="cuda", generator=g), torch.randn(B, T, S, device="cuda", generator=g)]
+    args = [a.requires_grad_() if i < 3 else a for i, a in enumerate(args)]
+    leaves = args[:3] + list(module.parameters())
+
+    def run(fn):
+        outs = fn(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        loss = sum((o.float() * torch.linspace(-1, 1, o.numel(), device="cuda").view_as(o)).sum() for o in outs)
+        return [o.detach() for o in outs], torch.autograd.grad(loss, leaves)
+
+    with report.collect() as reports:
+        got = run(torch.compile(module, backend="hyscale", options={"attention": "always"}))
+    want = run(module)
+    (site,) = [r for r in reports if r.kind == "attention"]
+    assert site.decision == "rewritten" and site.layout.startswith("MLA latent"), site.reason
+    close(got[0] + list(got[1]), want[0] + list(want[1]), tol=1e-3)

@@ -119,18 +119,19 @@ class MlaAttention(nn.Module):
             k = torch.cat((k_nope, r_heads), dim=-1)
         kept = ()
         if self.cache == "first":  # HF's DynamicLayer.update on an empty cache (transformers <= 5.17)
-            k = torch.cat([torch.tensor([], dtype=k.dtype), k], dim=-2)
-            v = torch.cat([torch.tensor([], dtype=v.dtype), v], dim=-2)
+            k = torch.cat([torch.tensor([], dtype=k.dtype, device=k.device), k], dim=-2)
+            v = torch.cat([torch.tensor([], dtype=v.dtype, device=v.device), v], dim=-2)
             kept = (k, v)
         elif self.cache == "first_fp32":  # an empty cache of another dtype: the cat promotes, it is no copy
-            k = torch.cat([torch.tensor([], dtype=torch.float64), k], dim=-2).to(k.dtype)
-            v = torch.cat([torch.tensor([], dtype=torch.float64), v], dim=-2).to(v.dtype)
+            k = torch.cat([torch.tensor([], dtype=torch.float64, device=k.device), k], dim=-2).to(k.dtype)
+            v = torch.cat([torch.tensor([], dtype=torch.float64, device=v.device), v], dim=-2).to(v.dtype)
         elif self.cache == "past":  # a cache holding earlier keys: they have no latent in the graph
             k = torch.cat([k[:, :, :3], k[:, :, 3:]], dim=-2)
             v = torch.cat([v[:, :, :3], v[:, :, 3:]], dim=-2)
         idx = score.topk(self.k, dim=-1).indices
-        causal = torch.arange(Sk)[None, :] <= torch.arange(Tq)[:, None] + (Sk - Tq)
-        index_mask = torch.ones(Bq, Tq, Sk, dtype=torch.bool).scatter(-1, idx, False).unsqueeze(1)
+        dev = c.device
+        causal = torch.arange(Sk, device=dev)[None, :] <= torch.arange(Tq, device=dev)[:, None] + (Sk - Tq)
+        index_mask = torch.ones(Bq, Tq, Sk, dtype=torch.bool, device=dev).scatter(-1, idx, False).unsqueeze(1)
         if self.attn == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~index_mask, scale=self.scale)
         else:
