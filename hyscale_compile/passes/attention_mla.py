@@ -178,26 +178,28 @@ def match(att: Attention) -> Latent:
         raise NotLatent("the latent is not [B, S, Dc] or [B, 1, S, Dc]")
     _check_same_grad((v, k_nope), kv, "values and the keys' non-rope part")
     _check_same_grad((k_rope,), r, "keys' rope part")
-    built = _built(lin, (att.k, att.v, *copies))
+    built = _built((lin, k_rope, k), (att.k, att.v, *copies))
     return Latent(w, c, r, H, Dn, Dv, Dc, Dr, kv, built, copies, _other_readers(built, att, copies))
 
 
-def _built(lin: fx.Node, ends: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
-    """The nodes on a path from the projection to the attention's k or v (or to the copies that write the key
-    buffer): the per-head values the model builds."""
+def _built(starts: tuple[fx.Node, ...], ends: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    """The nodes on a path from the projection, the expanded rope key or the key buffer to the attention's k or v
+    (or to the copies that write the key buffer): the per-head values the model builds. The buffer is a start of
+    its own: made by ``q.new_empty`` (say), it is no reader of the projection, and neither is what reads it (a
+    cache's cat)."""
     up, todo = set(), list(ends)
     while todo:
         n = todo.pop()
         if n not in up:
             up.add(n)
             todo.extend(n.all_input_nodes)
-    down, todo = set(), [lin]
+    down, todo = set(), list(starts)
     while todo:
         n = todo.pop()
         if n in up and n not in down:
             down.add(n)
             todo.extend(n.users)
-    return tuple(n for n in lin.graph.nodes if n in down)
+    return tuple(n for n in starts[0].graph.nodes if n in down)
 
 
 def _other_readers(built: tuple[fx.Node, ...], att: Attention, copies: tuple[fx.Node, ...]) -> tuple[str, ...]:
