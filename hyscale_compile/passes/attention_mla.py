@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from .attention_sites import Attention, peel_empty_cat, peel_repeat_kv
-from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
+from .graph_ops import arg, dtype, grad_enabled_at, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .legality import METADATA_READERS, requires_grad
 from .sites import describe
 
@@ -178,26 +178,46 @@ def match(att: Attention) -> Latent:
         raise NotLatent("the latent is not [B, S, Dc] or [B, 1, S, Dc]")
     _check_same_grad((v, k_nope), kv, "values and the keys' non-rope part")
     _check_same_grad((k_rope,), r, "keys' rope part")
-    built = _built(lin, (att.k, att.v, *copies))
+    built = _built((lin, k_rope, k), (att.k, att.v, *copies))
+    _check_grad_mode(built, att)
     return Latent(w, c, r, H, Dn, Dv, Dc, Dr, kv, built, copies, _other_readers(built, att, copies))
 
 
-def _built(lin: fx.Node, ends: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
-    """The nodes on a path from the projection to the attention's k or v (or to the copies that write the key
-    buffer): the per-head values the model builds."""
+def _built(starts: tuple[fx.Node, ...], ends: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    """The nodes on a path from the projection, the expanded rope key or the key buffer to the attention's k or v
+    (or to the copies that write the key buffer): the per-head values the model builds. The buffer is a start of
+    its own: made by ``q.new_empty`` (say), it is no reader of the projection, and neither is what reads it (a
+    cache's cat)."""
     up, todo = set(), list(ends)
     while todo:
         n = todo.pop()
         if n not in up:
             up.add(n)
             todo.extend(n.all_input_nodes)
-    down, todo = set(), [lin]
+    down, todo = set(), list(starts)
     while todo:
         n = todo.pop()
         if n in up and n not in down:
             down.add(n)
             todo.extend(n.users)
-    return tuple(n for n in lin.graph.nodes if n in down)
+    return tuple(n for n in starts[0].graph.nodes if n in down)
+
+
+def _check_grad_mode(built: tuple[fx.Node, ...], att: Attention) -> None:
+    """The latent op, which runs where the attention does, sends gradient to the latent, rope key and weight
+    wherever they require it; eager's autograd only where every step from them to the attention ran with grad
+    enabled. A step under ``torch.no_grad()`` (a frozen projection, a cache update, one copy into the key buffer)
+    whose input requires grad cuts it there. A copy reads its source (the buffer it writes may require grad from
+    the other copy); a new buffer nothing. An attention under no_grad gives no gradient either way."""
+    if not grad_enabled_at(att.node):
+        return
+    for n in built:
+        if op_name(n) == "new_empty":
+            continue
+        inputs = [n.args[1]] if op_name(n) == "copy_" else n.all_input_nodes
+        if not grad_enabled_at(n) and any(requires_grad(x) for x in inputs):
+            raise NotLatent(f"{describe(n)} at {source_line(n)} runs under no_grad on a tensor that requires grad: "
+                            "eager's gradient stops there, and the latent form would carry it through")
 
 
 def _other_readers(built: tuple[fx.Node, ...], att: Attention, copies: tuple[fx.Node, ...]) -> tuple[str, ...]:

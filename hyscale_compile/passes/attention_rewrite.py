@@ -182,7 +182,8 @@ def _weight_heads(graph: fx.Graph, latent: Latent) -> fx.Node:
 def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> tuple[fx.Node, fx.Node]:
     """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr]; kv = [c, r] [B, S, 1, Dc + Dr] (v = kv[..., :Dc]). The
     rope key may be shared by the batch or by the positions ([1, 1, S, Dr], [B, 1, 1, Dr]): it is expanded to the
-    latent's [B, S] as the model's expansion over the heads broadcast it."""
+    latent's [B, S] as the model's expansion over the heads broadcast it; a latent shared by the batch ([1, S, Dc],
+    keys and values the attention broadcasts over q's batch) is expanded to q's."""
     Dn = latent.Dn
     qt = graph.call_method("transpose", (q, 1, 2))
     q_nope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(None, Dn))))
@@ -192,6 +193,8 @@ def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> tuple
     qx = graph.call_function(torch.cat, ([q_lat, q_rope], -1))
     c = latent.latent
     c = graph.call_method("unsqueeze", (c, 2)) if len(shape(c)) == 3 else graph.call_method("transpose", (c, 1, 2))
+    if is_one(shape(latent.latent)[0]) and not is_one(shape(q)[0]):  # one latent for the batch: SDPA broadcasts it
+        c = graph.call_method("expand", (c, B, -1, -1, -1))
     r = graph.call_method("transpose", (latent.rope, 1, 2))
     rs = shape(latent.rope)
     if not (same_size(rs[0], shape(q)[0]) and same_size(rs[2], shape(latent.latent)[-2])):

@@ -6,6 +6,8 @@ different targets. The passes ask ``op_name(node)`` and read arguments with ``ar
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any
 
@@ -286,6 +288,8 @@ def mutates(n: fx.Node) -> bool:
         return False
     if n.op == "call_module" or n.kwargs.get("out") is not None or n.kwargs.get("inplace"):
         return True
+    if _written_by_flag(n):
+        return True
     if n.op == "call_function" and n.target in _INPLACE_OPERATORS:
         return True
     if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator"):
@@ -298,6 +302,40 @@ def mutates(n: fx.Node) -> bool:
     if name.startswith("__") and name.endswith("__"):
         return name in _INPLACE_DUNDERS
     return name.endswith("_") and name != "requires_grad_"  # x.mul_, torch.relu_, torch._foreach_mul_
+
+
+# Functions that write by a flag, which may come by position: ``nn.LeakyReLU``, ``nn.Hardtanh``, ``nn.ELU``,
+# ``nn.Dropout`` ... call ``F.leaky_relu(x, slope, self.inplace)``, and Dynamo keeps the call as written. Batch and
+# instance norm write their running statistics (the flag: training, use_input_stats; its default).
+_RUNNING_STATS = {F.batch_norm: ("training", False), F.instance_norm: ("use_input_stats", True)}
+
+
+def _written_by_flag(n: fx.Node) -> list[fx.Node]:
+    """The tensors a function call writes because of a flag set by position or keyword (``F.relu(x, True)``,
+    ``F.batch_norm(x, mean, var, training=True)``); [] if none. A flag that is not a constant counts as set."""
+    if n.op != "call_function":
+        return []
+    sig = _signature(n.target)
+    stats = _RUNNING_STATS.get(n.target)
+    if sig is None or stats is None and "inplace" not in sig.parameters:
+        return []
+    try:
+        bound = sig.bind(*n.args, **n.kwargs).arguments
+    except TypeError:
+        return []
+    flag, default = stats or ("inplace", False)
+    if bound.get(flag, default) in (False, 0, None):
+        return []
+    written = [bound.get("running_mean"), bound.get("running_var")] if stats else [next(iter(bound.values()))]
+    return [x for x in written if isinstance(x, fx.Node)]
+
+
+@functools.cache
+def _signature(target) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without one
+        return None
 
 
 # Ops whose result may share storage with their first argument: a write into one is a write into the other.
@@ -314,6 +352,9 @@ def written_by(n: fx.Node) -> list[fx.Node] | None:
     out = n.kwargs.get("out")
     if out is not None:
         return [x for x in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(x, fx.Node)]
+    flagged = _written_by_flag(n)
+    if flagged:
+        return flagged
     if isinstance(n.target, torch._ops.OpOverload):
         return list(n.all_input_nodes)
     first = n.args[0] if n.args else next(iter(n.kwargs.values()), None)
