@@ -109,8 +109,10 @@ def _rope(node: fx.Node, H: int) -> fx.Node:
     return node.args[0]
 
 
-# Readers that copy what they read into a new tensor: they cannot write the key buffer.
-_COPYING_READERS = {"cat", "stack", "clone", "contiguous"}
+# Readers of the key buffer that copy what they read into a new tensor (HF's cache: a cat), so they cannot write
+# it. Not clone or contiguous: op_name names both "identity", and contiguous returns its input when it already
+# is (a buffer read by them keeps the per-head layout).
+_COPYING_READERS = {"cat"}
 
 
 def _key_parts(k: fx.Node, att: Attention) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]:
