@@ -182,7 +182,7 @@ def match(att: Attention) -> Latent:
     _check_same_grad((k_rope,), r, "keys' rope part")
     built = _built((lin, k_rope, k), (att.k, att.v, *copies))
     _check_grad_mode(built, att)
-    return Latent(w, c, r, H, Dn, Dv, Dc, Dr, kv, built, copies, _other_readers(built, att, copies))
+    return Latent(w, c, r, H, Dn, Dv, Dc, Dr, kv, built, copies, _other_readers(built, att))
 
 
 def _built(starts: tuple[fx.Node, ...], ends: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
@@ -222,7 +222,7 @@ def _check_grad_mode(built: tuple[fx.Node, ...], att: Attention) -> None:
                             "eager's gradient stops there, and the latent form would carry it through")
 
 
-def _other_readers(built: tuple[fx.Node, ...], att: Attention, copies: tuple[fx.Node, ...]) -> tuple[str, ...]:
+def _other_readers(built: tuple[fx.Node, ...], att: Attention) -> tuple[str, ...]:
     """Who, besides the attention, reads the per-head keys and values (the model's cache, say)."""
     inside = {*built, att.node, *att.nodes}
     words = [("the graph's output (a cache, say)" if u.op == "output" else f"{describe(u)} at {source_line(u)}")
