@@ -21,6 +21,7 @@ memory is recorded as "OOM at N GiB".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -340,6 +342,14 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         if not args.smoke:
             write_results(args.out, device, rows)
+
+
+def overridden(module, over: dict, prefix: str = ""):
+    """A with-block in which ``module``'s attributes ``prefix + name`` hold ``over``'s values, restored after (the
+    tuning scripts' variants of a runtime module's knobs)."""
+    if not over:  # patch.multiple wants at least one
+        return contextlib.nullcontext()
+    return mock.patch.multiple(module, **{prefix + n: v for n, v in over.items()})
 
 
 def interpreter_shim() -> None:

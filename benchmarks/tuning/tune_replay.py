@@ -126,11 +126,8 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
     values, idx = hytopk.select(q, kx, w, K, scale, True, vis, float("-inf"))
     rows = []
     names = ("BJ", "BLOCKS", "STAGES", "MAX_BH", "WARPS", "W_ONCE")  # RESCORE_BJ: at most, see rescore_shape
-    old = {n: getattr(rescore, "RESCORE_" + n) for n in names}
-    try:
-        for over in RESCORE_VARIANTS:
-            for n in names:
-                setattr(rescore, "RESCORE_" + n, over.get(n, old[n]))
+    for over in RESCORE_VARIANTS:
+        with training.overridden(rescore, over, "RESCORE_"):
 
             def run():
                 return hytopk.rescore(q, kx, w, idx, scale, True, vis, float("-inf"))
@@ -143,11 +140,8 @@ def rescore_rows(q, kx, w, vis) -> list[dict]:
                            mismatches=int((out.view(torch.int32) != values.view(torch.int32)).sum()))
             except Exception as e:  # a variant that fails to compile is a result too
                 row["failed"] = str(e)[:300]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    finally:
-        for n in names:
-            setattr(rescore, "RESCORE_" + n, old[n])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows + gather_floor_rows(kx, idx)
 
 

@@ -80,22 +80,6 @@ VARIANTS = [
 FLOOR_VARIANTS = [dict(BJ=64, BLOCKS=16), dict(WARPS=8)]
 
 
-class settings:
-    """RESCORE_* overridden for a with-block, restored after."""
-
-    def __init__(self, over: dict):
-        self.over = over
-
-    def __enter__(self):
-        self.old = {n: getattr(rescore, "RESCORE_" + n) for n in NAMES}
-        for n, v in self.over.items():
-            setattr(rescore, "RESCORE_" + n, v)
-
-    def __exit__(self, *exc):
-        for n, v in self.old.items():
-            setattr(rescore, "RESCORE_" + n, v)
-
-
 def device_ms(fn, name: str, reps: int = 10) -> float:
     """Kernel ``name``'s time per call: the profiler's device records of ``reps`` calls (no host gaps)."""
     if DEVICE != "cuda":
@@ -139,7 +123,7 @@ def shape_rows(T: int, S: int, H: int, variants: list[int]) -> list[dict]:
     rows = []
     floor_ms = None
     for i, over in enumerate([{}] + FLOOR_VARIANTS):
-        with settings(over):
+        with training.overridden(rescore, over, "RESCORE_"):
             run, sink = floor.rescore_floor(*args)
             row = dict(kernel="rescore_floor", **{n.lower(): getattr(rescore, "RESCORE_" + n) for n in NAMES})
             try:
@@ -158,7 +142,7 @@ def shape_rows(T: int, S: int, H: int, variants: list[int]) -> list[dict]:
     launched = {}  # what a variant launches at this H -> the first variant that launched it
     for v in variants:
         over = VARIANTS[v]
-        with settings(over):
+        with training.overridden(rescore, over, "RESCORE_"):
             row = dict(kernel="rescore", variant=v, over=over,
                        **{n.lower(): getattr(rescore, "RESCORE_" + n) for n in NAMES})
             key = effective(H)
@@ -236,7 +220,7 @@ def offline(variants: list[int]) -> None:
         q, kx, w = torch.randn(1, 4, H, D).bfloat16(), torch.randn(1, 1024, D).bfloat16(), torch.rand(1, 4, H)
         idx = torch.randint(0, 1000, (1, 4, K))
         for v in variants:
-            with settings(VARIANTS[v]):
+            with training.overridden(rescore, VARIANTS[v], "RESCORE_"):
                 _, kern = _compiled(lambda q=q, kx=kx, w=w, idx=idx: rescore.rescore(
                     q, kx, w, idx, D**-0.5, True, Visibility(causal=True, offset=1020), float("-inf")))
                 with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

@@ -39,7 +39,6 @@ from hyscale_compile.runtime import sparse_attention as sa  # noqa: E402
 from hyscale_compile.runtime.sparse_attention import Picks, backward, forward  # noqa: E402
 
 H, DQK, DV, K = 128, 576, 512, 2048  # the MLA latent layer
-KNOBS = ("SEGMENT_KEYS", "SEGMENT_COLS", "PICKS", "STAGES", "WARPS", "CHUNK", "PROGRAMS_PER_SM")
 # What each tries: SEGMENT_KEYS 1-4 (fewer masked rows a program: more programs, each streaming its own run),
 # SEGMENT_COLS (the columns a program sums: 576 = 2 x 256 + 64 now); PICKS (picks a contribution tile: half the
 # shared memory), CHUNK (feature columns a store), PROGRAMS_PER_SM (slices of a row's picks). Every variant
@@ -52,22 +51,6 @@ VARIANTS = [
     dict(PICKS=32), dict(CHUNK=32), dict(PICKS=32, SEGMENT_KEYS=1), dict(PROGRAMS_PER_SM=8), dict(PROGRAMS_PER_SM=2),
 ]
 KERNELS = {"contrib_ms": "_contrib_kernel", "segment_ms": "_segment_kernel", "dq_ms": "_dq_kernel"}
-
-
-class settings:
-    """The backward module's knobs overridden for a with-block, restored after."""
-
-    def __init__(self, over: dict):
-        self.over = over
-
-    def __enter__(self):
-        self.old = {n: getattr(backward, n) for n in KNOBS}
-        for n, v in self.over.items():
-            setattr(backward, n, v)
-
-    def __exit__(self, *exc):
-        for n, v in self.old.items():
-            setattr(backward, n, v)
 
 
 def problem(T: int, S: int, local: bool, device: str, heads: int = H, dqk: int = DQK, dv: int = DV, k: int = K,
@@ -136,7 +119,7 @@ def main() -> None:
                        over=VARIANTS[i])
             try:
                 seen = len(compile_for_gpu.resources) if args.offline else 0
-                with settings(VARIANTS[i]):
+                with training.overridden(backward, VARIANTS[i]):
                     got = backward.backward_latent(*bargs)
                     row.update(split_ms(lambda bargs=bargs: backward.backward_latent(*bargs), device))
                 if args.offline:  # (name, shared bytes, registers, stack bytes) of what this variant compiled
