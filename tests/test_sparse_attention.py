@@ -28,6 +28,17 @@ def _same_lse(a, b, tol):
     _close(finite(a), finite(b), tol)
 
 
+def _same_as_eager(compiled, fn, leaves, *rest):
+    """compiled(*leaves, *rest) gives fn's output and leaf gradients bit for bit."""
+    mine, eager = ([t.clone().requires_grad_() for t in leaves] for _ in range(2))
+    got, want = compiled(*mine, *rest), fn(*eager, *rest)
+    assert torch.equal(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    for a, b in zip(mine, eager):
+        assert torch.equal(a.grad, b.grad)
+
+
 def _dense_grads(q, k, v, idx, scale, offset, key_mask, empty, gout, glse, alias_dv=None):
     """Autograd of the dense oracle in float64; with ``alias_dv`` v is k[..., :alias_dv] (one leaf)."""
     q64, k64 = (t.detach().double().requires_grad_() for t in (q, k))
@@ -199,14 +210,7 @@ def test_under_torch_compile(dynamic):
     for T in (5, 7):
         q, k, v, idx, _, _ = make(Case(H=6, G=3, Dqk=16, T=T), dtype=torch.float32, seed=T)
         mask = torch.rand(case.B, case.S, generator=torch.Generator().manual_seed(T)) > 0.3
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        eager = [t.clone().requires_grad_() for t in (q, k, v)]
-        got, want = compiled(*leaves, idx, mask), fn(*eager, idx, mask)
-        assert torch.equal(got, want)
-        got.sum().backward()
-        want.sum().backward()
-        for a, b in zip(leaves, eager):
-            assert torch.equal(a.grad, b.grad)
+        _same_as_eager(compiled, fn, (q, k, v), idx, mask)
 
 
 def test_fake_shapes():
@@ -303,14 +307,7 @@ def test_latent_op_under_torch_compile():
     compiled = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
     for T in (5, 7):
         q, k, _, idx, _, _ = make(Case(H=4, G=1, Dqk=24, Dv=16, T=T, alias=True), dtype=torch.float32, seed=T)
-        leaves = [t.clone().requires_grad_() for t in (q, k)]
-        eager = [t.clone().requires_grad_() for t in (q, k)]
-        got, want = compiled(*leaves, idx), fn(*eager, idx)
-        assert torch.equal(got, want)
-        got.sum().backward()
-        want.sum().backward()
-        for a, b in zip(leaves, eager):
-            assert torch.equal(a.grad, b.grad)
+        _same_as_eager(compiled, fn, (q, k), idx)
 
 
 def test_latent_op_fake_shapes_and_value_dim_errors():
