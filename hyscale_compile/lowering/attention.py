@@ -97,6 +97,12 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, off
             _require(t.device == q.device, f"{name}: {arg} is on {t.device}, q on {q.device}")
 
 
+def _fake_outputs(q: Tensor, value_dim: int) -> tuple[Tensor, Tensor]:
+    """Both ops' outputs: out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32."""
+    B, T, H = q.shape[0], q.shape[1], q.shape[2]
+    return q.new_empty((B, T, H, value_dim)), q.new_empty((B, T, H), dtype=torch.float32)
+
+
 @torch.library.custom_op("hyscale::sparse_attention", mutates_args=())
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, causal: bool, offset: int,
                      offsets: Tensor | None, key_mask: Tensor | None, empty: str) -> tuple[Tensor, Tensor]:
@@ -109,8 +115,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: fl
 @sparse_attention.register_fake
 def _(q, k, v, indices, scale, causal, offset, offsets, key_mask, empty):
     check_attention_inputs(q, k, v, indices, offsets, key_mask, empty)
-    B, T, H = q.shape[0], q.shape[1], q.shape[2]
-    return q.new_empty((B, T, H, v.shape[3])), q.new_empty((B, T, H), dtype=torch.float32)
+    return _fake_outputs(q, v.shape[3])
 
 
 @torch.library.custom_op("hyscale::sparse_attention_backward", mutates_args=())
@@ -171,8 +176,7 @@ def sparse_attention_latent(q: Tensor, kv: Tensor, indices: Tensor, value_dim: i
 @sparse_attention_latent.register_fake
 def _(q, kv, indices, value_dim, scale, causal, offset, offsets, key_mask, empty):
     check_attention_inputs(q, kv, _latent_value(kv, value_dim), indices, offsets, key_mask, empty)
-    B, T, H = q.shape[0], q.shape[1], q.shape[2]
-    return q.new_empty((B, T, H, value_dim)), q.new_empty((B, T, H), dtype=torch.float32)
+    return _fake_outputs(q, value_dim)
 
 
 @torch.library.custom_op("hyscale::sparse_attention_latent_backward", mutates_args=())
