@@ -49,7 +49,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import common
-from .common import LOG2E_C, causal_limit, load_picks, load_rows, mm, mm_acc  # used inside the kernels
+from .common import LOG2E_C, causal_limit, load_picks, load_rows, mm, mm_acc, store_dq  # used inside the kernels
 from .naive import Picks, add_mean_grad
 
 # Upper bound on the contribution buffer of one chunk of query rows.
@@ -162,11 +162,9 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
         if BDB > 0:
             tl.store(dst[:, None] + cb[None, :], mm(ds_t, qb, PREC) * scale, mask=ok[:, None] & (cb < Dqk)[None, :])
     dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
-    tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], (dqa * scale).to(dq_ptr.dtype.element_ty),
-             mask=hmask[:, None] & (ca < DA)[None, :])
+    store_dq(dq_ptr, dq_row, ca, dqa, scale, hmask, DA, Dqk)
     if BDB > 0:
-        tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], (dqb * scale).to(dq_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & (cb < Dqk)[None, :])
+        store_dq(dq_ptr, dq_row, cb, dqb, scale, hmask, Dqk, Dqk)
 
 
 @triton.jit
@@ -310,11 +308,9 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, B, T, S, K, H, 
         if BDB > 0:
             dqb = mm_acc(ds, load_rows(k_base, ids, ok, sk_s, cb, Dqk), dqb, PREC)
     dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
-    tl.store(dq_ptr + dq_row[:, None] * Dqk + ca[None, :], (dqa * scale).to(dq_ptr.dtype.element_ty),
-             mask=hmask[:, None] & (ca < DA)[None, :])
+    store_dq(dq_ptr, dq_row, ca, dqa, scale, hmask, DA, Dqk)
     if BDB > 0:
-        tl.store(dq_ptr + dq_row[:, None] * Dqk + cb[None, :], (dqb * scale).to(dq_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & (cb < Dqk)[None, :])
+        store_dq(dq_ptr, dq_row, cb, dqb, scale, hmask, Dqk, Dqk)
 
 
 @triton.jit

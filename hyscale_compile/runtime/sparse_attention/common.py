@@ -116,3 +116,10 @@ def causal_limit(t, offset, offs_ptr, b, HAS_OFFS: tl.constexpr):
     if HAS_OFFS:
         lim = lim + tl.load(offs_ptr + b).to(tl.int64)
     return lim
+
+
+@triton.jit
+def store_dq(dq_ptr, dq_row, cols, acc, scale, hmask, width, Dqk):
+    """One block of dq [heads, cols] (columns below width): scaled, and rounded once to dq's dtype."""
+    tl.store(dq_ptr + dq_row[:, None] * Dqk + cols[None, :], (acc * scale).to(dq_ptr.dtype.element_ty),
+             mask=hmask[:, None] & (cols < width)[None, :])
