@@ -49,7 +49,9 @@ import triton.language as tl
 from torch import Tensor
 
 from . import common
-from .common import LOG2E_C, causal_limit, load_picks, load_rows, mm, mm_acc, store_dq  # used inside the kernels
+
+# used inside the kernels
+from .common import LOG2E_C, block_heads, causal_limit, chunk_row, load_picks, load_rows, mm, mm_acc, store_dq
 from .naive import Picks, add_mean_grad
 
 # Upper bound on the contribution buffer of one chunk of query rows.
@@ -107,12 +109,8 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
     g = tl.program_id(1) // NHB
     hb = tl.program_id(1) % NHB
     part = tl.program_id(2).to(tl.int64)
-    b = pid // R
-    t = t0 + pid % R
-    row = b * T + t
-    hl = hb * BH + tl.arange(0, BH)
-    hmask = hl < HG
-    h = (g * HG + hl).to(tl.int64)
+    b, t, row = chunk_row(pid, R, t0, T)
+    h, hmask = block_heads(hb, g, HG, BH)
     ca = tl.arange(0, BDA)
     cv = tl.arange(0, BDV)
     q_row = q_ptr + b * sq_b + t * sq_t + h[:, None] * sq_h
@@ -187,9 +185,7 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
     pid = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     part = tl.program_id(2).to(tl.int64)
-    b = pid // R
-    t = t0 + pid % R
-    row = b * T + t
+    b, t, row = chunk_row(pid, R, t0, T)
     k_base = k_ptr + b * sk_b + g * sk_g
     v_base = v_ptr + b * sv_b + g * sv_g
     idx_row = idx_ptr + row * K
@@ -202,9 +198,7 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
         place = tl.load(place_ptr + pid * K + k0 + tl.arange(0, BK), mask=ok, other=0).to(tl.int64)
         dst = contrib_ptr + (place * G + g) * W
         for hb in range(0, NHB):
-            hl = hb * BH + tl.arange(0, BH)
-            hmask = hl < HG
-            h = (g * HG + hl).to(tl.int64)
+            h, hmask = block_heads(hb, g, HG, BH)
             q_row = q_ptr + b * sq_b + t * sq_t + h[:, None] * sq_h
             do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
             lse2 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0) * LOG2E_C
@@ -283,12 +277,8 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, B, T, S, K, H, 
     g = (flat % GH) // NHB
     hb = flat % NHB
     part = tl.program_id(1).to(tl.int64)
-    b = pid // R
-    t = t0 + pid % R
-    row = b * T + t
-    hl = hb * BH + tl.arange(0, BH)
-    hmask = hl < HG
-    h = (g * HG + hl).to(tl.int64)
+    b, t, row = chunk_row(pid, R, t0, T)
+    h, hmask = block_heads(hb, g, HG, BH)
     ca = tl.arange(0, BDA)
     dqa = tl.zeros((BH, BDA), tl.float32)
     if BDB > 0:

@@ -123,3 +123,18 @@ def store_dq(dq_ptr, dq_row, cols, acc, scale, hmask, width, Dqk):
     """One block of dq [heads, cols] (columns below width): scaled, and rounded once to dq's dtype."""
     tl.store(dq_ptr + dq_row[:, None] * Dqk + cols[None, :], (acc * scale).to(dq_ptr.dtype.element_ty),
              mask=hmask[:, None] & (cols < width)[None, :])
+
+
+@triton.jit
+def chunk_row(pid, R, t0, T):
+    """(b, t, b * T + t) of program row pid = b * R + r of a chunk of R query rows starting at t0."""
+    b = pid // R
+    t = t0 + pid % R
+    return b, t, b * T + t
+
+
+@triton.jit
+def block_heads(hb, g, HG, BH: tl.constexpr):
+    """(the query heads of head block hb of kv group g, int64 [BH]; which of them exist)."""
+    hl = hb * BH + tl.arange(0, BH)
+    return (g * HG + hl).to(tl.int64), hl < HG
