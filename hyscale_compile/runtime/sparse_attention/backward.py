@@ -66,7 +66,7 @@ SPLIT: bool | None = None  # dq and the contributions in two passes (None: where
 CHUNK = 64  # contribution columns per store in the second pass of a split
 # Programs per SM to aim for by splitting each row's picks into slices (0: one slice per row).
 PROGRAMS_PER_SM = 4
-SEGMENT_KEYS = 16  # sorted picks per program of the segment kernel
+SEGMENT_KEYS = 2  # sorted picks per program of the segment kernel (few: a run's owner streams it alone)
 SEGMENT_COLS = 256  # contribution columns per program of the segment kernel
 
 
