@@ -39,27 +39,33 @@ from hyscale_compile.runtime import sparse_attention as sa  # noqa: E402
 from hyscale_compile.runtime.sparse_attention import Picks, backward, forward  # noqa: E402
 
 H, DQK, DV, K = 128, 576, 512, 2048  # the MLA latent layer
-# What each tries: SEGMENT_KEYS 1-4 (fewer masked rows a program: more programs, each streaming its own run),
-# SEGMENT_COLS (the columns a program sums: 576 = 2 x 256 + 64 now); PICKS (picks a contribution tile: half the
-# shared memory), CHUNK (feature columns a store), PROGRAMS_PER_SM (slices of a row's picks). Every variant
-# compiles for sm_90a without spills (--offline); left out as they do not: STAGES=2 or 3 (the pipeliner's
-# buffers need 0.9-1.3 MB of shared memory), CHUNK=128 (312 bytes of stack), WARPS=4 (368 and 1072 bytes).
+# What each tries (the defaults came from earlier sweeps: SEGMENT_KEYS 16 -> 2, the contribution kernel's chunk
+# loops pipelined 4 deep, the dq kernel's pick loop 2 deep): SEGMENT_KEYS, SEGMENT_COLS (the columns a segment
+# program sums); CONTRIB_STAGES (1: not pipelined; the loops unrolled, as before, were 5% faster than 1);
+# DQ_STAGES; CONTRIB_PICKS (128 picks a contribution block halves the re-reads of q and dout but spills ~200 bytes
+# and changes dkv's bits); CHUNK, WARPS, PROGRAMS_PER_SM (slices of a row's picks: changes dq's bits). Left out
+# as they do not compile or fit: STAGES=2 or 3 with the chunk loops unrolled (0.9-1.3 MB of shared memory),
+# PICKS=128 (the dq kernel's 311 KB).
 VARIANTS = [
     {},
-    dict(SEGMENT_KEYS=1), dict(SEGMENT_KEYS=2), dict(SEGMENT_KEYS=4), dict(SEGMENT_KEYS=1, SEGMENT_COLS=128),
-    dict(SEGMENT_KEYS=1, SEGMENT_COLS=64), dict(SEGMENT_KEYS=2, SEGMENT_COLS=512),
-    dict(PICKS=32), dict(CHUNK=32), dict(PICKS=32, SEGMENT_KEYS=1), dict(PROGRAMS_PER_SM=8), dict(PROGRAMS_PER_SM=2),
+    dict(SEGMENT_KEYS=1), dict(SEGMENT_KEYS=4), dict(SEGMENT_KEYS=16), dict(SEGMENT_COLS=512),
+    dict(CONTRIB_STAGES=1), dict(CONTRIB_STAGES=2), dict(CONTRIB_STAGES=3), dict(DQ_STAGES=1), dict(DQ_STAGES=3),
+    dict(CONTRIB_PICKS=128), dict(CONTRIB_PICKS=128, CONTRIB_STAGES=2), dict(CHUNK=32), dict(WARPS=16),
+    dict(PROGRAMS_PER_SM=8), dict(PROGRAMS_PER_SM=2),
 ]
 KERNELS = {"contrib_ms": "_contrib_kernel", "segment_ms": "_segment_kernel", "dq_ms": "_dq_kernel"}
 
 
 def problem(T: int, S: int, local: bool, device: str, heads: int = H, dqk: int = DQK, dv: int = DV, k: int = K,
-            dt: torch.dtype = torch.bfloat16):
-    """(the backward's arguments after one forward): q [1, T, H, Dqk], kv [1, S, 1, Dqk] (v its first Dv), picks."""
+            dt: torch.dtype = torch.bfloat16, head_major: bool = False):
+    """(the backward's arguments after one forward): q [1, T, H, Dqk], kv [1, S, 1, Dqk] (v its first Dv), picks;
+    head_major: dout [1, T, H, Dv] laid out [1, H, T, Dv], as autograd gives it in the rewritten model."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, T, heads, dqk, device=device, generator=g).to(dt)
     kv = torch.randn(1, S, 1, dqk, device=device, generator=g).to(dt)
     dout = torch.randn(1, T, heads, dv, device=device, generator=g).to(dt)
+    if head_major:
+        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
     idx = picks(T, S, k, local, device)
     pk = Picks(causal=True, offset=S - T)
     scale = dqk ** -0.5
@@ -90,6 +96,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="16384")
     parser.add_argument("--picks", choices=["random", "local"], default="random")
     parser.add_argument("--variants", default=None, help="indices into VARIANTS (default: all)")
+    parser.add_argument("--dout", choices=["row-major", "head-major"], default="row-major",
+                        help="dout's layout (head-major: the rewritten model's)")
     parser.add_argument("--offline", action="store_true", help="compile for sm_90a without a GPU, print resources")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no variant after this long")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "tuning", "results",
@@ -109,14 +117,14 @@ def main() -> None:
     contexts = [24] if args.smoke else [4096] if args.offline else [int(x) for x in args.contexts.split(",")]
     for S in contexts:
         small = dict(heads=4, dqk=24, dv=16, k=8, dt=torch.float32) if args.smoke else {}
-        bargs = problem(S, S, args.picks == "local", device, **small)
+        bargs = problem(S, S, args.picks == "local", device, **small, head_major=args.dout == "head-major")
         base = None
         for i in chosen:
             if time.perf_counter() - start > args.budget_s:
                 print(f"budget spent: variant {i} not run")
                 continue
-            row = dict(T=S, S=S, H=small.get("heads", H), k=small.get("k", K), picks=args.picks, variant=i,
-                       over=VARIANTS[i])
+            row = dict(T=S, S=S, H=small.get("heads", H), k=small.get("k", K), picks=args.picks, dout=args.dout,
+                       variant=i, over=VARIANTS[i])
             try:
                 seen = len(compile_for_gpu.resources) if args.offline else 0
                 with training.overridden(backward, VARIANTS[i]):

@@ -249,6 +249,20 @@ def test_latent_chunks_slices_and_head_blocks(monkeypatch):
     _close(_run_latent("triton", q, kv, idx, picks, dout, case.Dv), want, 2e-5)
 
 
+def test_latent_head_major_q_and_dout_keep_the_bits(monkeypatch):
+    """q and dout laid out head-major ([B, H, T, D] in memory, as autograd gives the absorbed projection's
+    gradient) are copied a chunk of rows at a time for the contribution kernel: the bits of row-major inputs,
+    for chunks of 2 rows (a last chunk of 1) as for one chunk."""
+    case = Case(B=2, T=5, H=4, G=1, Dqk=20, Dv=16, S=23, K=12, offset=18, alias=True)
+    q, kv, idx, picks, dout = _latent_problem(case, seed=7)
+    want = _run_latent("triton", q, kv, idx, picks, dout, case.Dv)
+    q_hm, dout_hm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, dout))
+    assert q_hm.stride(2) != q.shape[3] and dout_hm.stride(2) != dout.shape[3]
+    _same(_run_latent("triton", q_hm, kv, idx, picks, dout_hm, case.Dv), want)
+    monkeypatch.setattr(backward, "CONTRIB_BYTES", 2 * 2 * 12 * (20 + 4) * 4)  # 2 rows of 2 batches a chunk
+    _same(_run_latent("triton", q_hm, kv, idx, picks, dout_hm, case.Dv), want)
+
+
 def test_contribution_kernel_for_the_view_keeps_dk_and_dv_apart(monkeypatch):
     """sparse_attention with v = k[..., :Dv] through the split backward (the MLA path at real sizes): one
     contribution a pick for all heads, dk and dv apart; the same bits as a copy of v (the same chunk order)."""

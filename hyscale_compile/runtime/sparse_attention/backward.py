@@ -64,6 +64,9 @@ WARPS: int | None = None
 STAGES: int | None = None
 SPLIT: bool | None = None  # dq and the contributions in two passes (None: where a program's tiles are wide)
 CHUNK = 64  # contribution columns per store in the second pass of a split
+DQ_STAGES: int | None = 2  # the dq kernel's pick loop (None: STAGES)
+CONTRIB_PICKS: int | None = None  # picks a block of the contribution kernel (None: PICKS's rule)
+CONTRIB_STAGES = 4  # the contribution kernel's feature-chunk loops pipelined this deep (1: not pipelined)
 # Programs per SM to aim for by splitting each row's picks into slices (0: one slice per row).
 PROGRAMS_PER_SM = 4
 SEGMENT_KEYS = 2  # sorted picks per program of the segment kernel (few: a run's owner streams it alone)
@@ -92,8 +95,9 @@ def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
 
     if not split:
         return BH, [(True, True, bk(32), 0, warps, stages)]
-    return BH, [(True, False, bk(16 if fp32 else 32), 0, warps, stages),
-                (False, True, bk(16 if fp32 else 64), min(CHUNK, BDA, BDV), warps, stages)]
+    return BH, [(True, False, bk(16 if fp32 else 32), 0, warps, DQ_STAGES or stages),
+                (False, True, min(CONTRIB_PICKS, common.pow2(K)) if CONTRIB_PICKS else bk(16 if fp32 else 64),
+                        min(CHUNK, BDA, BDV), warps, stages)]
 
 
 @triton.jit
@@ -166,14 +170,43 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_p
 
 
 @triton.jit
+def _score_chunk(q_row, do_row, k_base, ids, ok, sk_s, hmask, c0, s, dp, DA, Dv, ALIAS: tl.constexpr,
+                 PREC: tl.constexpr, CH: tl.constexpr):
+    cc = c0 + tl.arange(0, CH)
+    qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
+    kc = load_rows(k_base, ids, ok, sk_s, cc, DA)
+    s = mm_acc(qc, tl.trans(kc), s, PREC)
+    if ALIAS:  # DA = Dv: the k chunk is the v chunk
+        doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+        dp = mm_acc(doc, tl.trans(kc), dp, PREC)
+    return s, dp
+
+
+@triton.jit
+def _contrib_chunk(q_row, do_row, dst, ds_t, p_t, ok, hmask, c0, hb, scale, DA, Dv, FOLD: tl.constexpr,
+                   MULTI_HB: tl.constexpr, PREC: tl.constexpr, CH: tl.constexpr):
+    cc = c0 + tl.arange(0, CH)
+    m = ok[:, None] & (cc < DA)[None, :]
+    qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
+    val = mm(ds_t, qc, PREC) * scale
+    if FOLD:  # ALIAS, DA = Dv: dk and dv share these columns
+        doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
+        val += mm(p_t, doc, PREC)
+    if MULTI_HB:
+        if hb > 0:
+            val += tl.load(dst[:, None] + cc[None, :], mask=m, other=0.0)
+    tl.store(dst[:, None] + cc[None, :], val, mask=m)
+
+
+@triton.jit
 def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_ptr, km_ptr, place_ptr,
                     contrib_ptr, ds_ptr, T, S, K, H, HG, NHB, G, Dqk, Dv, W, offset, scale, scale_log2,
                     sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, sdo_b, sdo_t, sdo_h, skm_b, skm_s,
-                    t0, R, slice_picks,
+                    t0, R, slice_picks, q_t0, do_t0,
                     CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, ALIAS: tl.constexpr,
                     FOLD: tl.constexpr, MULTI_HB: tl.constexpr, PREC: tl.constexpr, DA: tl.constexpr,
                     BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-                    CH: tl.constexpr):
+                    CH: tl.constexpr, CSTAGES: tl.constexpr):
     # The contribution pass of a split backward: one program per (query row, kv group, slice of picks) for ALL
     # the group's heads, so each pick gets one contribution (W = Dqk + Dv columns, or Dqk with FOLD: dv added
     # into dk's first Dv columns). Per block of BK picks and head block: S = q k^T and dp = dout v^T
@@ -181,7 +214,10 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
     # gathered k chunk is the v chunk too), p and ds, then the contribution CH columns at a time,
     # ds^T q (* scale) (+ p^T dout), the heads being the MMA's K dimension. Head blocks past the first (more
     # than BH heads a group) add theirs to the stored columns in order (the program's own: no other reads them).
-    # ds (in q's dtype, as the dq MMA takes it) goes to ds_ptr [chunk rows, H, K] for the dq kernel.
+    # ds (in q's dtype, as the dq MMA takes it) goes to ds_ptr [chunk rows, H, K] for the dq kernel. The chunk
+    # loops are loops, not unrolled, so that the pipeliner overlaps a chunk's loads (the gathered rows) with the
+    # previous chunk's MMAs: CSTAGES deep, one buffer set of a chunk (q, k, dout: ~40 KB at 128 heads) a stage.
+    # q and dout rows are [H, D] blocks: q_t0 / do_t0 is the first row of a chunk's row-major copy (0: none).
     pid = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     part = tl.program_id(2).to(tl.int64)
@@ -199,20 +235,14 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
         dst = contrib_ptr + (place * G + g) * W
         for hb in range(0, NHB):
             h, hmask = block_heads(hb, g, HG, BH)
-            q_row = q_ptr + b * sq_b + t * sq_t + h[:, None] * sq_h
-            do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
+            q_row = q_ptr + b * sq_b + (t - q_t0) * sq_t + h[:, None] * sq_h
+            do_row = do_ptr + b * sdo_b + (t - do_t0) * sdo_t + h[:, None] * sdo_h
             lse2 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0) * LOG2E_C
             delta = tl.load(delta_ptr + row * H + h, mask=hmask, other=0.0)
             s = tl.zeros((BH, BK), tl.float32)
             dp = tl.zeros((BH, BK), tl.float32)
-            for c0 in tl.static_range(0, BDA, CH):
-                cc = c0 + tl.arange(0, CH)
-                qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
-                kc = load_rows(k_base, ids, ok, sk_s, cc, DA)
-                s = mm_acc(qc, tl.trans(kc), s, PREC)
-                if ALIAS:  # DA = Dv: the k chunk is the v chunk
-                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
-                    dp = mm_acc(doc, tl.trans(kc), dp, PREC)
+            for c0 in tl.range(0, BDA, CH, num_stages=CSTAGES):
+                s, dp = _score_chunk(q_row, do_row, k_base, ids, ok, sk_s, hmask, c0, s, dp, DA, Dv, ALIAS, PREC, CH)
             if BDB > 0:
                 cb = DA + tl.arange(0, BDB)
                 qb = tl.load(q_row + cb[None, :], mask=hmask[:, None] & (cb < Dqk)[None, :], other=0.0)
@@ -231,18 +261,9 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
             p_t = tl.trans(p.to(do_ptr.dtype.element_ty))
             if MULTI_HB:
                 tl.debug_barrier()  # the previous head block's stores are visible to this one's loads
-            for c0 in tl.static_range(0, BDA, CH):
-                cc = c0 + tl.arange(0, CH)
-                m = ok[:, None] & (cc < DA)[None, :]
-                qc = tl.load(q_row + cc[None, :], mask=hmask[:, None] & (cc < DA)[None, :], other=0.0)
-                val = mm(ds_t, qc, PREC) * scale
-                if FOLD:  # ALIAS, DA = Dv: dk and dv share these columns
-                    doc = tl.load(do_row + cc[None, :], mask=hmask[:, None] & (cc < Dv)[None, :], other=0.0)
-                    val += mm(p_t, doc, PREC)
-                if MULTI_HB:
-                    if hb > 0:
-                        val += tl.load(dst[:, None] + cc[None, :], mask=m, other=0.0)
-                tl.store(dst[:, None] + cc[None, :], val, mask=m)
+            for c0 in tl.range(0, BDA, CH, num_stages=CSTAGES):
+                _contrib_chunk(q_row, do_row, dst, ds_t, p_t, ok, hmask, c0, hb, scale, DA, Dv, FOLD, MULTI_HB,
+                               PREC, CH)
             if BDB > 0:
                 m = ok[:, None] & (cb < Dqk)[None, :]
                 val = mm(ds_t, qb, PREC) * scale
@@ -341,6 +362,18 @@ def pick_order(idx: Tensor, t0: int, S: int, picks: Picks) -> tuple[Tensor, Tens
     place.scatter_(0, perm, torch.arange(keys.numel(), device=idx.device, dtype=place.dtype))
     ends = torch.searchsorted(sorted_keys, sorted_keys, right=True, out_int32=small)
     return place, sorted_keys, ends
+
+
+def _row_major_rows(x: Tensor, t0: int, R: int) -> tuple[Tensor, int]:
+    """(x, 0) where each query row's [H, D] block is contiguous, else (a copy of rows t0..t0 + R, t0).
+
+    The contribution kernel reads a row's q and dout blocks twice per block of picks, from L2. A head-major
+    tensor (autograd's gradient of the absorbed output projection, a bmm over heads, is [B, H, T, D] in
+    memory) puts a row's heads T * D elements apart: a power-of-two stride whose lines alias in L2. A copy
+    of the chunk's rows (a few tens of MB) is read row-major instead."""
+    if x.shape[2] == 1 or x.stride(2) == x.shape[3]:
+        return x, 0
+    return x[:, t0:t0 + R].contiguous(), t0
 
 
 def _slices(programs: int, K: int, BK: int, device: torch.device) -> int:
@@ -443,10 +476,13 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
             (_, _, BKQ, _, warps_q, stages_q), (_, _, BK, CH, warps, stages) = launches
             PC = _slices(B * R * G, K, BK, q.device)
             c_picks = triton.cdiv(triton.cdiv(K, PC), BK) * BK
+            (q_c, q_t0), (do_c, do_t0) = _row_major_rows(q, t0, R), _row_major_rows(dout, t0, R)
+            c_strides = (*q_c.stride()[:3], *strides[3:9], *do_c.stride()[:3], *strides[12:])
             _contrib_kernel[(B * R, G, triton.cdiv(K, c_picks))](
-                q, k, v, dout, lse, delta, idx, offs, km, place, contrib, ds, T, S, K, H, HG, CNHB, G, Dqk, Dv, W,
-                int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides, t0, R, c_picks,
-                ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH, num_warps=warps,
+                q_c, k, v, do_c, lse, delta, idx, offs, km, place, contrib, ds, T, S, K, H, HG, CNHB, G, Dqk, Dv, W,
+                int(picks.offset), float(scale), float(scale) * common.LOG2E, *c_strides, t0, R, c_picks, q_t0, do_t0,
+                ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH, CSTAGES=CONTRIB_STAGES,
+                num_warps=warps,
                 num_stages=stages, **flags)
             _dq_kernel[(B * R * G * NHB, P)](
                 k, idx, offs, km, ds, dq_out, B, T, S, K, H, HG, NHB, G, Dqk, int(picks.offset), float(scale),
