@@ -23,7 +23,7 @@ from . import masks
 from .attention_masks import MaskPlan, Term
 from .attention_mla import Latent
 from .attention_sites import Site, peel_repeat_kv, same_shape
-from .graph_ops import dtype, is_one, mutates, normalize_dim, op_name, same_size, shape, value
+from .graph_ops import dtype, is_one, mutates, normalize_dim, op_name, own_copies, same_size, shape, value, writes_after
 from .index_expr import Reject
 from .legality import requires_grad
 from .rewrite import canonical
@@ -43,10 +43,16 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
     graph = gm.graph
     att = site.attention
     existing = set(graph.nodes)
+    saves = requires_grad(att.node)  # the ops keep their inputs for a backward only where one is built
+    written, by_caller = (writes_after(att.node), writes_after(att.node, caller=True)) if saves else ([], [])
     try:
         with graph.inserting_before(att.node):
             out = _emit(graph, site, plan, latent)
             result, replaced = _model_layout(graph, att, out)
+        for n in [n for n in graph.nodes if n not in existing and n.target in _SAVED]:
+            tensors, small = _SAVED[n.target]
+            own_copies(graph, n, tensors, written)
+            own_copies(graph, n, small, by_caller)
     except Exception:
         for n in reversed([n for n in graph.nodes if n not in existing]):
             graph.erase_node(n)
@@ -64,6 +70,14 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
     if latent is not None:
         dead.append(latent.expanded)
     erase_dead(graph, dead)
+
+
+# The tensor arguments each op's autograd formula keeps for the backward (lowering/attention.py, attention_rows.py):
+# (q, k, v: copied where the graph writes them later; the picks, offsets and key mask, [B, T, K] / [B] / [B, S] that
+# the model's attention never keeps: also where they are the graph's inputs or outputs, which the caller may write).
+_SAVED = {torch.ops.hyscale.sparse_attention.default: ((0, 1, 2), (3, 7, 8)),
+          torch.ops.hyscale.sparse_attention_latent.default: ((0, 1), (2, 7, 8)),
+          torch.ops.hyscale.empty_rows_like_eager.default: ((1, 2, 3), ())}
 
 
 def _model_layout(graph: fx.Graph, att, out: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:

@@ -441,5 +441,45 @@ class Aliases:
         return self._from_input(a) and self._from_input(b)
 
 
+def writes_after(node: fx.Node, caller: bool = False) -> list[fx.Node] | None:
+    """The tensors that calls after ``node`` in its graph may write in place (through ``written_by``); None when
+    one of them could write anything (a module call). ``caller``: also the graph's inputs and outputs, which the
+    caller may write after the call (before its backward)."""
+    found, after = [], False
+    for n in node.graph.nodes:
+        if n is node:
+            after = True
+        elif caller and (n.op == "placeholder" or n.op == "output"):
+            found.extend(n.all_input_nodes if n.op == "output" else [n])
+        elif after and mutates(n):
+            targets = written_by(n)
+            if targets is None:
+                return None
+            found.extend(targets)
+    return found
+
+
+def own_copies(graph: fx.Graph, op: fx.Node, positions: tuple[int, ...], written: list[fx.Node] | None) -> None:
+    """Give the op call ``op`` a copy of each tensor argument at ``positions`` (args, then kwargs by name) that may
+    share memory with a tensor in ``written`` (``writes_after``; None: any tensor).
+
+    An op whose autograd formula keeps its inputs for the backward keeps them by reference, as autograd does: a later
+    in-place write of one (the model's ``idx.add_(1)`` for its next layer, a mask or offset it updates) makes the
+    backward fail ("modified by an inplace operation") where the model's own computation, which kept no such
+    tensor, runs. A copy made where the op reads it is what the op must keep."""
+    aliases = Aliases(graph)
+    for pos in positions:
+        a = op.args[pos] if isinstance(pos, int) else op.kwargs.get(pos)
+        if not isinstance(a, fx.Node) or not (written is None or any(
+                aliases.may_alias(t, x) for t in written for x in (a, view_base(a)))):
+            continue
+        with graph.inserting_before(op):
+            copy = graph.call_method("clone", (a,))
+        if isinstance(pos, int):
+            op.args = (*op.args[:pos], copy, *op.args[pos + 1:])
+        else:
+            op.kwargs = {**op.kwargs, pos: copy}
+
+
 def normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim

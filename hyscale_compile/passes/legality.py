@@ -7,6 +7,7 @@ attention patterns in ``fx_passes/fuse_attention.py``):
 * ``check_readers``: nothing but the selection, gathers at the selected indices, and metadata reads (a
   ``full_like(score, ...)`` reads the shape only) reads the score table or an intermediate of it;
 * ``check_no_mutation_between``: nothing writes q, k, weights or masks between the score and the selection;
+* ``check_gathered_indices``: a gather at the selected indices reads them as the selection returned them;
 * ``check_operands``: the inputs are 16/32-bit floats and the keys carry the queries' batch;
 * ``check_additive_order``: a tensor added after a masked fill keeps eager's IEEE values;
 * ``gradient_cuts``: which inputs eager's autograd never reaches from the selected values (``detach``,
@@ -18,10 +19,22 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .graph_ops import dtype, grad_enabled_at, is_one, is_tensor, mutates, op_name, shape, source_line, value
+from .graph_ops import (
+    Aliases,
+    dtype,
+    grad_enabled_at,
+    is_one,
+    is_tensor,
+    mutates,
+    op_name,
+    shape,
+    source_line,
+    value,
+    written_by,
+)
 from .index_expr import Leaf, Reject, Score
 from .operands import peel_path
-from .sites import Site, describe
+from .sites import Site, describe, gather_index
 
 # Ops that read only a tensor's shape, dtype or device: the score may be their input without being written.
 METADATA_READERS = ("full_like", "zeros_like", "ones_like", "empty_like", "new_full", "new_ones", "new_zeros",
@@ -90,6 +103,28 @@ def check_no_mutation_between(site: Site, sc: Score) -> None:
         if first < order[n] < order[site.topk] and mutates(n) and not _writes_unread_new_tensor(n, order):
             raise Reject(f"{describe(n)} at {source_line(n)} may change a tensor between the score and the "
                          "selection", site.topk)
+
+
+def check_gathered_indices(site: Site) -> None:
+    """``score.gather(-1, idx)`` is the selected values only where it reads the indices the selection returned: a
+    write into them (``idx.clamp_(...)``, ``idx[..., 0] = 0``, through any view) between the selection and the
+    gather makes it read the score at other positions, which the op's values are not."""
+    if not site.gathers:
+        return
+    graph = site.topk.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    aliases = Aliases(graph)
+    for n in graph.nodes:
+        if not order[site.topk] < order[n] < max(order[g] for g in site.gathers) or not mutates(n):
+            continue
+        targets = written_by(n)
+        for g in site.gathers:
+            index = gather_index(g)
+            if order[n] < order[g] and (targets is None or any(aliases.may_alias(t, index) for t in targets)):
+                raise Reject(f"{describe(n)} at {source_line(n)} may write the selected indices before "
+                             f"{describe(g)} at {source_line(g)} reads the score at them, so that gather reads other "
+                             "positions than the selected ones and needs the score table; gather before changing the "
+                             "indices, or change a copy (idx.clone())", site.topk)
 
 
 _NEW_TENSORS = ("ones", "zeros", "full", "arange", "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros",

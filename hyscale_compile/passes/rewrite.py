@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from . import masks
-from .graph_ops import dtype, is_tensor, op_name, shape, value
+from .graph_ops import dtype, is_tensor, op_name, own_copies, shape, value, writes_after
 from .index_expr import Leaf, Reject, Score, positive_scale
 from .legality import check_operands, requires_grad
 from .operands import peel
@@ -114,8 +114,12 @@ def rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan, cut
         raise Reject("the selected tensor is not laid out as [batch..., query, key]", site.topk)
     check_operands(sc, site.topk)
     existing = set(gm.graph.nodes)
+    saves = requires_grad(site.score_node)  # the op keeps its inputs for a backward only where one is built
+    written, by_caller = (writes_after(site.topk), writes_after(site.topk, caller=True)) if saves else ([], [])
     try:
         values, indices = _emit(gm.graph, site, sc, plan, scale, cuts)
+        own_copies(gm.graph, site.select, _SAVED, written)
+        own_copies(gm.graph, site.select, _SAVED_SMALL, by_caller)
     except Exception:
         for n in reversed([n for n in gm.graph.nodes if n not in existing]):
             gm.graph.erase_node(n)
@@ -123,6 +127,13 @@ def rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan, cut
     _inherit_meta([n for n in gm.graph.nodes if n not in existing], site.topk)
     _replace_metadata_readers(gm.graph, sc, metadata_readers)
     _replace_outputs(gm.graph, site, sc, values, indices)
+
+
+# The select arguments its autograd formula keeps for the backward (lowering/ops.py ``_setup``): copied where the
+# graph writes them after the selection; the [B, T] row bounds also where they are the graph's inputs or outputs,
+# which the caller may write before the backward (the model's comparisons with them kept none of them).
+_SAVED = ("q", "kx", "weights", "offsets", "starts", "ends", "mask")
+_SAVED_SMALL = ("offsets", "starts", "ends")
 
 
 def _emit(graph: fx.Graph, site: Site, sc: Score, plan: masks.MaskPlan, scale: float, cuts: set[int]):

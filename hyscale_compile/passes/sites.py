@@ -145,12 +145,17 @@ def _topk_site(node: fx.Node) -> Site:
     return Site(node, score, s_dim, k, bool(named_arg(node, "sorted", True)), values, indices, gathers)
 
 
+def gather_index(user: fx.Node) -> object:
+    """The index a ``gather`` / ``take_along_dim`` reads."""
+    return arg(user, 1, "indices") if op_name(user) == "take_along_dim" else named_arg(user, "index")
+
+
 def _is_gather_at(user: fx.Node, score: fx.Node, s_dim: int, ndim: int, indices: list[fx.Node]) -> bool:
     """``score.gather(s_dim, idx)`` or ``take_along_dim(score, idx, s_dim)`` at the site's own indices."""
     if op_name(user) == "take_along_dim":
-        src, index, dim = arg(user, 0, "input"), arg(user, 1, "indices"), arg(user, 2, "dim")
+        src, index, dim = arg(user, 0, "input"), gather_index(user), arg(user, 2, "dim")
     elif op_name(user) == "gather":
-        src, index, dim = named_arg(user, "input"), named_arg(user, "index"), named_arg(user, "dim")
+        src, index, dim = named_arg(user, "input"), gather_index(user), named_arg(user, "dim")
     else:
         return False
     if src is not score or _writes_out(user):
