@@ -125,16 +125,38 @@ def _vis(causal, offset, offsets, starts, ends, mask, bias, rows=None, causal_ad
 # select
 
 
-@torch.library.custom_op("hyscale::select", mutates_args=())
-def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
-           causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
-           mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool, causal_additive: bool = False,
-           low_precision_grad: bool = False) -> tuple[Tensor, Tensor]:
+def select_body(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, relu: bool,
+                causal: bool, offset: int, offsets: Tensor | None, starts: Tensor | None, ends: Tensor | None,
+                mask: Tensor | None, bias: Tensor | None, fill: float, sorted: bool, causal_additive: bool = False,
+                low_precision_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """What ``hyscale::select`` runs on real tensors; ``indexer_topk`` calls it directly where the op's
+    dispatch would add nothing (``dispatch_adds_nothing``)."""
     check_inputs(q, kx, weights, k, offsets, starts, ends, mask, bias)
     vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2], causal_additive=causal_additive)
     kx, weights = _prepare(q, kx, weights)
     impl = dispatch.kernels_for(q)
     return impl.select(q, kx, weights, k, scale, relu, vis, fill, sorted=sorted)
+
+
+select = torch.library.custom_op("hyscale::select", mutates_args=())(select_body)
+
+
+def dispatch_adds_nothing(q: Tensor, *others: Tensor | None) -> bool:
+    """Whether torch's dispatch of ``hyscale::select`` on these tensors would only call ``select_body``: no
+    autograd to record (grad off, or no input requires it), no mode, functorch transform, tracer or profiler
+    watching, plain tensors, q on CPU or CUDA (a meta or fake tensor goes to the fake rule). The custom op's
+    dispatch (its Python autograd wrapper, the redispatch, the output alias checks) costs an eager decode step
+    more host time than our own planning. Not asked while Dynamo traces (``indexer_topk`` checks that first):
+    a compiled graph must hold the op."""
+    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active() or torch.autograd._profiler_enabled()
+            or torch._C._get_tracing_state()):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in (q, *others):
+        if t is not None and (type(t) is not Tensor or (grad and t.requires_grad)):
+            return False
+    return q.is_cuda or q.is_cpu
 
 
 @select.register_fake
