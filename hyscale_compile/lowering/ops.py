@@ -106,9 +106,11 @@ def check_inputs(q: Tensor, kx: Tensor, weights: Tensor | None, k: int | None,
 def _prepare(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """Kernels take kx with q's batch and fp32 [B, T, H] weights; expand broadcast ones (views, no copy)."""
     B, T, H = q.shape[0], q.shape[1], q.shape[2]
-    kx = kx.expand(B, kx.shape[1], kx.shape[2])
+    if kx.shape[0] != B:  # each view is an op of host work: none where the sizes already agree
+        kx = kx.expand(B, kx.shape[1], kx.shape[2])
     if weights is not None:
-        weights = weights.expand(B, T, H)
+        if weights.shape != (B, T, H):
+            weights = weights.expand(B, T, H)
         weights = weights if weights.dtype == torch.float32 else weights.float()
     return kx, weights
 

@@ -80,10 +80,14 @@ def _heads_in_int32(x: Tensor) -> Tensor:
 
 def _operands(q: Tensor, kx: Tensor, weights: Tensor | None,
               scale: float) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights with the scale folded in."""
-    dt = torch.promote_types(q.dtype, kx.dtype)
-    w = None if weights is None else _heads_in_int32(weights.float() * scale)
-    return _heads_in_int32(_unit_last(q.to(dt))), _unit_last(kx.to(dt)), w
+    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights with the scale folded in. No op
+    where nothing changes (each one is host work, also when it returns its input)."""
+    if q.dtype != kx.dtype:
+        dt = torch.promote_types(q.dtype, kx.dtype)
+        q, kx = q.to(dt), kx.to(dt)
+    if weights is not None:
+        weights = _heads_in_int32((weights if weights.dtype == torch.float32 else weights.float()) * scale)
+    return _heads_in_int32(_unit_last(q)), _unit_last(kx), weights
 
 
 def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -63,15 +63,16 @@ def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_p
 
 
 def composites(pb: Problem) -> Tensor:
-    """The int64 composite table [R, S] of every entry (what ``select`` ranks)."""
-    comp = torch.empty(pb.rows, pb.S, dtype=torch.int64, device=pb.device)
+    """The int64 composite table [B, T, S] of every entry (what ``select`` ranks): row b * T + t of the
+    kernel's [R, S] (shaped so, torch.topk gives [B, T, k] with no view to make)."""
+    comp = torch.empty(pb.B, pb.T, pb.S, dtype=torch.int64, device=pb.device)
     pb.launch(table_kernel, (cdiv(pb.S, pb.tile.bs), pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, comp,
-              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, comp.stride(0))
+              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, pb.S)
     return comp
 
 
 def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor]:
-    """(values fp32 [R, k], positions int64 [R, k]) of each row's top plan.k, ordered by (value desc, position
-    asc), or with sorted=False the same entries in torch.topk's unspecified order."""
-    top = torch.topk(composites(pb), plan.k, dim=1, sorted=sorted)
+    """(values fp32 [B, T, k], positions int64 [B, T, k]) of each row's top plan.k, ordered by (value desc,
+    position asc), or with sorted=False the same entries in torch.topk's unspecified order."""
+    top = torch.topk(composites(pb), plan.k, dim=-1, sorted=sorted)
     return decode_values(top.values), top.indices  # the table's column is the position: no decode needed
