@@ -129,7 +129,7 @@ def top_level_ops(fn) -> dict[str, int]:
 
 
 # The entries a call goes through, timed in runs of their own (the wrappers cost a little).
-PARTS = [(ops, "check_inputs", "op_checks"), (hytopk, "Problem", "problem"), (hytopk, "make_plan", "plan"),
+PARTS = [(ops, "check_inputs_once", "op_checks"), (hytopk, "Problem", "problem"), (hytopk, "make_plan", "plan"),
          (hytopk, "table_plan", "plan"),
          (hytopk, "candidates", "pipeline_stages"), (table_path, "select", "table_route"),
          (hytopk, "recover", "recover"), (hytopk, "select", "hytopk_select")]

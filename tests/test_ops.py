@@ -255,3 +255,16 @@ def test_eager_call_skips_the_dispatch_only_where_it_adds_nothing(monkeypatch):
     got = compiled(q, kx, w)
     assert torch.ops.hyscale.select.default in targets or torch.ops.hyscale.select in targets, targets
     assert torch.equal(got[1], i) and torch.equal(got[0].view(torch.int32), v.view(torch.int32))
+
+
+def test_checks_kept_per_sizes_still_fail_on_new_ones():
+    """The op's checks are skipped for sizes, dtypes and devices that passed before, never for new ones."""
+    q, kx, w = exact_inputs()
+    for _ in range(2):
+        hyscale_compile.indexer_topk(q, kx, 3, weights=w)
+    with pytest.raises(RuntimeError, match="k=14 is larger"):
+        hyscale_compile.indexer_topk(q, kx, 14, weights=w)
+    with pytest.raises(RuntimeError, match="weights must broadcast"):
+        hyscale_compile.indexer_topk(q, kx, 3, weights=w[:, :, :2])
+    with pytest.raises(RuntimeError, match="q dtype torch.float64"):
+        hyscale_compile.indexer_topk(q.double(), kx, 3, weights=w)
