@@ -15,8 +15,6 @@ and times that host work without a device, for both routes of ``plan.Plan.table`
                     route, the final stage); timed with wrappers around them, in runs of their own (each part's
                     fastest run; "final" is hytopk_select less the others)
     recover_us      the pipeline's recovery stage: its 17 stub launches here, one on CUDA
-    decode_cpu_us   on the table route, the CPU's own work in decoding [T, k] winners beyond one row's (the torch
-                    ops run on CPU tensors here; on CUDA that work is the device's): host_us less it is host work
 
 What this does not show: the launches' own host cost (Triton's launcher, the driver: tens of microseconds each
 on CUDA, stubbed here), the CUDA caching allocator (CPU allocations here, kept in the process between calls as
@@ -64,7 +62,6 @@ from host_timers import host_timers  # noqa: E402
 import hyscale_compile  # noqa: E402
 from hyscale_compile.lowering import ops  # noqa: E402
 from hyscale_compile.runtime import dispatch, hytopk, plan, table_path  # noqa: E402
-from hyscale_compile.runtime.final_sort import decode  # noqa: E402
 
 DECODE_T, DECODE_S, H, D, K = (1, 16, 64), (32768, 131072), 64, 128, 2048
 ROUTES = {"pipeline": 0, "table": 1 << 62}  # plan.TABLE_MAX_BYTES forcing each route
@@ -132,7 +129,7 @@ def top_level_ops(fn) -> dict[str, int]:
 
 
 # The entries a call goes through, timed in runs of their own (the wrappers cost a little).
-PARTS = [(ops, "check_inputs", "op_checks"), (hytopk, "Problem", "problem"), (hytopk, "make_plan", "plan"),
+PARTS = [(ops, "check_inputs_once", "op_checks"), (hytopk, "Problem", "problem"), (hytopk, "make_plan", "plan"),
          (hytopk, "table_plan", "plan"),
          (hytopk, "candidates", "pipeline_stages"), (table_path, "select", "table_route"),
          (hytopk, "recover", "recover"), (hytopk, "select", "hytopk_select")]
@@ -176,10 +173,6 @@ def measure(T: int, S: int, heads: int, dim: int, k: int, route: str | None, cal
     parts["final"] = round(parts["hytopk_select"] - parts["problem"] - parts["plan"] - stages, 1)
     row["recover_us"] = parts.pop("recover", 0.0)
     row["parts_us"] = parts
-    if row["table"] if route is None else route == "table":
-        rows_k, one_k = (torch.empty(n, k, dtype=torch.int64) for n in (T, 1))
-        row["decode_cpu_us"] = round(per_call_us(lambda: decode(rows_k), calls, repeats)
-                                     - per_call_us(lambda: decode(one_k), calls, repeats), 1)
     return row
 
 
@@ -255,10 +248,10 @@ def main() -> None:
         for route in ("pipeline", "table", None):
             rows.append(measure(*shape, route, args.calls, args.repeats))
     print(f"{'T':>3} {'S':>7} {'H':>3} {'route':>8} {'table':>5} {'launches':>8} {'ops':>4} {'host_us':>8} "
-          f"{'recover':>7} {'decode':>6}  parts_us")
+          f"{'recover':>7}  parts_us")
     for r in rows:
         print(f"{r['T']:>3} {r['S']:>7} {r['H']:>3} {r['route']:>8} {str(r['table']):>5} {r['launches']:>8} "
-              f"{r['torch_ops']:>4} {r['host_us']:>8} {r['recover_us']:>7} {r.get('decode_cpu_us', '-'):>6}  "
+              f"{r['torch_ops']:>4} {r['host_us']:>8} {r['recover_us']:>7}  "
               f"{r['parts_us']}")
     if not args.smoke:
         from training import write_results

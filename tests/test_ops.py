@@ -207,3 +207,64 @@ def test_backward_through_inductor_with_non_contiguous_keys():
     want = torch.autograd.grad(loss(q, kx_t, w), (q, kx_t, w))
     for a, b in zip(grads, want):
         torch.testing.assert_close(a, b)
+
+
+def test_eager_call_skips_the_dispatch_only_where_it_adds_nothing(monkeypatch):
+    """indexer_topk calls the op's body itself in a plain eager call (same result, bit for bit); the op's
+    dispatch stays wherever it does something: autograd, a dispatch mode, the profiler, a compile."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hyscale_compile.lowering import ops
+
+    q, kx, w = exact_inputs(S=13)
+    direct = []
+    body = ops.select_body
+    monkeypatch.setattr(ops, "select_body", lambda *a, **kw: direct.append(1) or body(*a, **kw))
+
+    def call(q=q, kx=kx, w=w):
+        direct.clear()
+        out = hyscale_compile.indexer_topk(q, kx, 4, weights=w, scale=0.5, query_offset=9)
+        return out, bool(direct)
+
+    (v, i), took = call()
+    assert took
+    ov, oi = torch.ops.hyscale.select(q, kx, w, 4, 0.5, True, True, 9, None, None, None, None, None, NEG, True)
+    assert torch.equal(v.view(torch.int32), ov.view(torch.int32)) and torch.equal(i, oi)
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert not call()[1]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not call()[1]
+    qg = q.clone().requires_grad_()
+    (v, _), took = call(q=qg)
+    assert not took and v.requires_grad
+    with torch.no_grad():
+        assert call(q=qg)[1]
+    assert not call(q=torch.nn.Parameter(q.clone(), requires_grad=False))[1]  # a subclass: the dispatch decides
+    targets = []
+
+    def backend(gm, inputs):
+        targets.extend(n.target for n in gm.graph.nodes)
+        return gm
+
+    compiled = torch.compile(lambda q, kx, w: call(q, kx, w)[0], backend=backend, fullgraph=True)
+    got = compiled(q, kx, w)
+    assert torch.ops.hyscale.select.default in targets or torch.ops.hyscale.select in targets, targets
+    assert torch.equal(got[1], i) and torch.equal(got[0].view(torch.int32), v.view(torch.int32))
+
+
+def test_checks_kept_per_sizes_still_fail_on_new_ones():
+    """The op's checks are skipped for sizes, dtypes and devices that passed before, never for new ones."""
+    q, kx, w = exact_inputs()
+    for _ in range(2):
+        hyscale_compile.indexer_topk(q, kx, 3, weights=w)
+    with pytest.raises(RuntimeError, match="k=14 is larger"):
+        hyscale_compile.indexer_topk(q, kx, 14, weights=w)
+    with pytest.raises(RuntimeError, match="weights must broadcast"):
+        hyscale_compile.indexer_topk(q, kx, 3, weights=w[:, :, :2])
+    with pytest.raises(RuntimeError, match="q dtype torch.float64"):
+        hyscale_compile.indexer_topk(q.double(), kx, 3, weights=w)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ops  # noqa: F401  (registers torch.ops.hyscale.*)
+from . import ops  # registers torch.ops.hyscale.*
 
 
 def indexer_topk(q: Tensor, kx: Tensor, k: int, *, weights: Tensor | None = None, scale: float = 1.0,
@@ -39,6 +39,9 @@ def indexer_topk(q: Tensor, kx: Tensor, k: int, *, weights: Tensor | None = None
             bias = mask
         else:
             raise TypeError(f"indexer_topk: mask must be bool or floating point, got {mask.dtype}")
-    return torch.ops.hyscale.select(q, kx, weights, k, float(scale), relu, causal, offset, offsets,
-                                    starts, ends, bool_mask, bias, float(fill), sorted,
-                                    low_precision_grad=low_precision_grad)
+    args = (q, kx, weights, k, float(scale), relu, causal, offset, offsets, starts, ends, bool_mask, bias,
+            float(fill), sorted)
+    if not torch.compiler.is_compiling() and ops.dispatch_adds_nothing(q, kx, weights, offsets, starts, ends,
+                                                                       bool_mask, bias):
+        return ops.select_body(*args, low_precision_grad=low_precision_grad)  # what the op would run, no more
+    return torch.ops.hyscale.select(*args, low_precision_grad=low_precision_grad)

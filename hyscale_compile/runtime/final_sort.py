@@ -64,10 +64,31 @@ def sort_warps(kp: int) -> int:
     return 1 if kp <= 512 else max(4, min(16, kp // 128))
 
 
+@triton.jit
+def values_kernel(comp_ptr, val_ptr, n, BLOCK: tl.constexpr):
+    """val[i] = the canonical fp32 value of composite comp[i] (decode_words' value) for i < n, both contiguous."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    v, _ = decode_words(tl.load(comp_ptr + i, mask=ok, other=0))
+    tl.store(val_ptr + i, v, mask=ok)
+
+
+VALUES_BLOCK = 1024  # composites a program of values_kernel decodes
+
+
+def values(comp: Tensor) -> Tensor:
+    """``decode_values`` of a contiguous ``comp`` (torch.topk's values) in one launch: there it is three
+    element-wise ops and two views, each with its own host work, where a decode step's [B, T, k] is tiny."""
+    out = torch.empty(comp.shape, dtype=torch.float32, device=comp.device)
+    n = comp.numel()
+    values_kernel[(-(-n // VALUES_BLOCK),)](comp, out, n, BLOCK=VALUES_BLOCK)
+    return out
+
+
 def decode_values(comp: Tensor) -> Tensor:
     """Composites -> canonical fp32 values alone (three element-wise ops): where the positions are known
     otherwise (torch.topk's indices over a table indexed by position)."""
-    key = comp.view(torch.int32).unflatten(-1, (-1, 2))[..., 1]
+    key = comp.view(torch.int32)[..., 1::2]  # one view op fewer than unflatten, then select
     bits = key >> 31
     bits &= 0x7FFFFFFF
     bits ^= key
@@ -80,5 +101,5 @@ def decode(comp: Tensor) -> tuple[Tensor, Tensor]:
     On a little-endian device an int64 viewed as int32 pairs is (low, high): high is the order key,
     whose bits come back as key ^ 0x7FFFFFFF for negative keys; low is 0xFFFFFFFF - position.
     """
-    low = comp.view(torch.int32).unflatten(-1, (-1, 2))[..., 0]
+    low = comp.view(torch.int32)[..., 0::2]
     return decode_values(comp), torch.bitwise_not(low).long()

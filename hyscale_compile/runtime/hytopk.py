@@ -68,8 +68,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
     pb = Problem(q, kx, weights, scale, relu, vis, fill, tuning.tile)
     plan = table_plan(k) if table_route(pb.rows, pb.S, tuning) else make_plan(pb, k, tuning)
     if plan.table:  # a small problem: its composite table and torch.topk (table_path.py)
-        values, indices = table_path.select(pb, plan, sorted)
-        return values.view(B, T, k), indices.view(B, T, k)
+        return table_path.select(pb, plan, sorted)
     buf, used = candidates(pb, plan)
     if interpreting() and sorted:
         # the interpreter runs the final kernel too slowly for whole-select tests; tests/kernels/

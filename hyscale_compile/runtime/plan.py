@@ -7,6 +7,7 @@ a call returns, only how fast: results are exact and bitwise the same under any 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,7 @@ def make_plan(pb: Problem, k: int, tuning: Tuning = DEFAULT) -> Plan:
                 row_lists=row_lists(k, pb.S, target, cap, pb.vis), table=table)
 
 
+@functools.lru_cache(maxsize=64)  # Plans are frozen; a decode step asks for the same one every call
 def table_plan(k: int) -> Plan:
     """The plan of a call that takes the table route, which reads k alone: what ``select`` runs (make_plan's
     pipeline sizes and launch choices would be host work for nothing on a decode step; benchmarks and tests

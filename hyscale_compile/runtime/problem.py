@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -39,11 +40,11 @@ class Problem:
         self.wt = wt
         self.scale, self.fill = float(scale), float(fill)
         self.strides = (*self.q.stride()[:3], *self.kx.stride()[:2], *wstr, *mstr, *bstr)
-        self.tile = tile = copy.copy(score_tile.TILE if tile is None else tile)  # as it is now (tuners change it)
-        self.consts = dict(D=self.D, BLOCK_D=block_d(self.D), BT=tile.bt, BS=tile.bs, ACT=act_kind(relu, scale),
-                           HAS_W=self.w is not None, PREC=precision(self.q.dtype),
-                           HAS_MASK=vis.mask is not None, HAS_BIAS=vis.bias is not None)
-        self.n_tblk = cdiv(self.T, tile.bt)
+        # the tile as it is now (tuners change score_tile.TILE), the constexprs and the launch options
+        self.tile, self.consts, self._options = _statics(
+            score_tile.TILE if tile is None else tile, self.D, act_kind(relu, scale), self.w is not None,
+            precision(self.q.dtype), vis.mask is not None, vis.bias is not None)
+        self.n_tblk = cdiv(self.T, self.tile.bt)
 
     @property
     def rows(self) -> int:
@@ -56,11 +57,34 @@ class Problem:
 
     def launch(self, kernel, grid, *args, **extra) -> None:
         """kernel[grid](args, strides, consts, extra); extra may also override num_stages / maxnreg."""
-        opts = dict(num_warps=self.tile.warps, num_stages=self.tile.stages, maxnreg=self.tile.maxnreg)
-        opts.update((o, extra.pop(o)) for o in list(extra) if o in opts)
-        if not opts["maxnreg"] or interpreting():
-            del opts["maxnreg"]
+        opts = self._options
+        if opts is None or not _LAUNCH_OPTIONS.isdisjoint(extra):
+            opts = dict(num_warps=self.tile.warps, num_stages=self.tile.stages, maxnreg=self.tile.maxnreg)
+            opts.update((o, extra.pop(o)) for o in list(extra) if o in opts)
+            if not opts["maxnreg"] or interpreting():
+                del opts["maxnreg"]
         kernel[grid](*args, *self.strides, **self.consts, **extra, **opts)
+
+
+_LAUNCH_OPTIONS = frozenset(("num_warps", "num_stages", "maxnreg"))
+
+
+def _statics(tile: TileConfig, D: int, act: int, has_w: bool, prec: str, has_mask: bool,
+             has_bias: bool) -> tuple[TileConfig, MappingProxyType, dict | None]:
+    """(a copy of ``tile``, the kernels' constexprs, the launch options of a launch that overrides none, or None
+    where the tile caps registers: whether the cap applies is asked per launch), kept per their inputs, the
+    tile's fields among them: a decode step asks for the same ones every call, and building them is host work
+    each call. Shared by the Problems of one key, so read only (the constexprs a read-only mapping)."""
+    key = (tuple(tile.__dict__.values()), D, act, has_w, prec, has_mask, has_bias)
+    return _kept(_STATICS, key, lambda: _make_statics(tile, D, act, has_w, prec, has_mask, has_bias))
+
+
+def _make_statics(tile, D, act, has_w, prec, has_mask, has_bias):
+    tile = copy.copy(tile)
+    consts = dict(D=D, BLOCK_D=block_d(D), BT=tile.bt, BS=tile.bs, ACT=act, HAS_W=has_w, PREC=prec,
+                  HAS_MASK=has_mask, HAS_BIAS=has_bias)
+    options = None if tile.maxnreg else dict(num_warps=tile.warps, num_stages=tile.stages)
+    return tile, MappingProxyType(consts), options
 
 
 def cdiv(a: int, b: int) -> int:
@@ -80,10 +104,14 @@ def _heads_in_int32(x: Tensor) -> Tensor:
 
 def _operands(q: Tensor, kx: Tensor, weights: Tensor | None,
               scale: float) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights with the scale folded in."""
-    dt = torch.promote_types(q.dtype, kx.dtype)
-    w = None if weights is None else _heads_in_int32(weights.float() * scale)
-    return _heads_in_int32(_unit_last(q.to(dt))), _unit_last(kx.to(dt)), w
+    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights with the scale folded in. No op
+    where nothing changes (each one is host work, also when it returns its input)."""
+    if q.dtype != kx.dtype:
+        dt = torch.promote_types(q.dtype, kx.dtype)
+        q, kx = q.to(dt), kx.to(dt)
+    if weights is not None:
+        weights = _heads_in_int32((weights if weights.dtype == torch.float32 else weights.float()) * scale)
+    return _heads_in_int32(_unit_last(q)), _unit_last(kx), weights
 
 
 def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -145,6 +173,7 @@ def _kept(cache: dict, key: tuple, make):
 
 
 _RANGES: dict[tuple, tuple[Tensor, Tensor]] = {}
+_STATICS: dict[tuple, tuple] = {}
 _ZEROS: dict[tuple, Tensor] = {}
 _KEPT_MAX = 64
 _DUMMIES: dict[torch.device, Tensor] = {}

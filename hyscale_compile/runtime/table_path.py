@@ -9,12 +9,12 @@ of the call. There the table is small, and writing it is cheaper than the launch
 One kernel scores every key of every row with the pipeline's arithmetic (the filter's ``tile_scores``: the
 same tile shape, the same ``score_tile``, hence the same bits), applies the visibility with ``tile_values``
 (out-of-range and masked positions get the fill, as the pipeline's extras and masked entries do) and writes
-each entry's unique int64 ``composite`` (order key high, 2**32 - 1 - position low) into an [R, S] table.
+each entry's unique int64 ``composite`` (order key high, 2**32 - 1 - position low) into a [B, T, S] table.
 ``torch.topk`` over the composites is exact and deterministic whatever its tie rule (no two are equal), and
-``final_sort.decode_values`` turns the winners back into canonical fp32 values, exactly as the final select
-does, and torch.topk's indices are the positions (the table's columns): the result is the pipeline's, bit for
-bit, fill values and positions of short rows included (every position competes with its value; of the masked
-ones, ranked by position, the lowest win, which are the ones the pipeline's extras hold).
+``final_sort.values`` (a second, tiny launch) turns the winners back into canonical fp32 values, exactly as
+the final select does, and torch.topk's indices are the positions (the table's columns): the result is the
+pipeline's, bit for bit, fill values and positions of short rows included (every position competes with its
+value; of the masked ones, ranked by position, the lowest win, which are the ones the pipeline's extras hold).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .filter import tile_scores
-from .final_sort import decode_values
+from .final_sort import values
 from .plan import Plan
 from .problem import Problem, cdiv
 from .score_tile import block_rows, composite, order_key, tile_values
@@ -63,15 +63,16 @@ def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_p
 
 
 def composites(pb: Problem) -> Tensor:
-    """The int64 composite table [R, S] of every entry (what ``select`` ranks)."""
-    comp = torch.empty(pb.rows, pb.S, dtype=torch.int64, device=pb.device)
+    """The int64 composite table [B, T, S] of every entry (what ``select`` ranks): row b * T + t of the
+    kernel's [R, S] (shaped so, torch.topk gives [B, T, k] with no view to make)."""
+    comp = torch.empty(pb.B, pb.T, pb.S, dtype=torch.int64, device=pb.device)
     pb.launch(table_kernel, (cdiv(pb.S, pb.tile.bs), pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, comp,
-              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, comp.stride(0))
+              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, pb.S)
     return comp
 
 
 def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor]:
-    """(values fp32 [R, k], positions int64 [R, k]) of each row's top plan.k, ordered by (value desc, position
-    asc), or with sorted=False the same entries in torch.topk's unspecified order."""
-    top = torch.topk(composites(pb), plan.k, dim=1, sorted=sorted)
-    return decode_values(top.values), top.indices  # the table's column is the position: no decode needed
+    """(values fp32 [B, T, k], positions int64 [B, T, k]) of each row's top plan.k, ordered by (value desc,
+    position asc), or with sorted=False the same entries in torch.topk's unspecified order."""
+    top = torch.topk(composites(pb), plan.k, dim=-1, sorted=sorted)
+    return values(top.values), top.indices  # the table's column is the position: no decode needed

@@ -264,3 +264,40 @@ def test_table_route_at_decode_shapes(T, S, H):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)
+
+
+def test_eager_indexer_topk_calls_the_body_sync_free_and_in_a_graph():
+    """The by-hand decode call runs the op's body without the op's dispatch: the op's bits, no sync, and it
+    captures in a CUDA graph (the table route: its two launches and torch.topk)."""
+    import hyscale_compile
+
+    T, S, H = 4, 32768, 64
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, T, H, 128, device="cuda", generator=g).bfloat16()
+    kx = torch.randn(1, S, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1, T, H, device="cuda", generator=g)
+
+    def call():
+        return hyscale_compile.indexer_topk(q, kx, 2048, weights=w, scale=0.1, query_offset=S - T)
+
+    v, i = call()
+    ov, oi = torch.ops.hyscale.select(q, kx, w, 2048, 0.1, True, True, S - T, None, None, None, None, None, NEG_INF,
+                                      True)
+    assert torch.equal(v.view(torch.int32), ov.view(torch.int32)) and torch.equal(i, oi)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gv, gi = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)

@@ -217,3 +217,47 @@ def test_ranges_kept_per_sizes_are_the_computed_ones():
             assert torch.equal(hi.expand(B, T), want_hi.expand(B, T)), (B, T, S, off, causal)
     windows = Visibility(causal=True, offset=5, starts=torch.tensor([[2]]))  # windows: computed every call
     assert problem.ranges(windows, 1, 1, 10, cpu)[0] is not problem.ranges(windows, 1, 1, 10, cpu)[0]
+
+
+def test_values_kernel_decodes_as_the_torch_ops():
+    """final_sort.values (one launch) gives decode_values' bits for every kind of key: NaN, infinities, both
+    zeros (canonical +0), negatives, the fill, any position."""
+    from hyscale_compile.runtime import final_sort
+
+    g = torch.Generator().manual_seed(3)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.5, -1.5, 1e-45, -1e-45])
+    floats = torch.cat([special, torch.randn(1200, generator=g)])
+    key = bits(floats)
+    key = torch.where(floats == 0, 0, key)
+    key = torch.where(floats.isnan(), 0x7FC00000, key)
+    key = torch.where(key >= 0, key, key ^ 0x7FFFFFFF).long()
+    pos = torch.randint(0, 2**31, key.shape, generator=g)
+    comp = ((key << 32) | (2**32 - 1 - pos)).view(3, 1, -1)  # [B, T, k] as torch.topk returns it
+    got, want = final_sort.values(comp), final_sort.decode_values(comp)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(bits(got), bits(want))
+
+
+def test_problem_statics_are_kept_per_tile_and_flags():
+    """Problem keeps its tile copy, constexprs and launch options per their inputs: the same call shares them,
+    another tile, scale sign or weights gets its own, and a tile changed in place after is a new key."""
+    import dataclasses
+
+    from hyscale_compile.runtime import score_tile
+
+    q, kx, w = exact_inputs()
+    a, b = (Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF) for _ in range(2))
+    assert a.consts is b.consts and a.tile is b.tile
+    c = Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF, dataclasses.replace(score_tile.TILE, bt=32))
+    assert c.consts["BT"] == c.tile.bt == 32 and a.consts["BT"] == a.tile.bt == score_tile.TILE.bt
+    d = Problem(q, kx, None, -0.5, True, ALL_VISIBLE, NEG_INF)
+    assert d.consts["HAS_W"] is False and d.consts["ACT"] != a.consts["ACT"]
+    with pytest.raises(TypeError):
+        a.consts["BT"] = 1  # shared: read only
+    bs = score_tile.TILE.bs
+    score_tile.TILE.bs = bs // 2
+    try:
+        e = Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF)
+        assert e.consts["BS"] == e.tile.bs == bs // 2 and a.consts["BS"] == a.tile.bs == bs
+    finally:
+        score_tile.TILE.bs = bs
