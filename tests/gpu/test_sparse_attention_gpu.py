@@ -179,6 +179,16 @@ def test_latent_chunks_keep_bits(monkeypatch):
     assert torch.equal(sliced[3], whole[3])
 
 
+def test_latent_head_major_q_and_dout_keep_bits():
+    """q and dout laid out head-major ([B, H, T, D] in memory: autograd's gradient of the absorbed output
+    projection is) give the bits of row-major ones: the contribution kernel reads a chunk's row-major copy."""
+    q, k, _, idx, picks, dout = problem("mla", 8192, 64, seed=13)
+    want = run_latent("triton", q, k, idx, picks, dout)
+    q_hm, dout_hm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, dout))
+    for a, b in zip(run_latent("triton", q_hm, k, idx, picks, dout_hm), want):
+        assert torch.equal(a, b)
+
+
 def test_latent_op_under_inductor():
     """hyscale_compile.sparse_attention_latent in a compiled training step: kv's gradient as the eager op's."""
     q, k, _, idx, picks, _ = problem("mla", 4096, 64, seed=12)
