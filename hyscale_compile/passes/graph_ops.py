@@ -467,6 +467,8 @@ def own_copies(graph: fx.Graph, op: fx.Node, positions: tuple[int, ...], written
     in-place write of one (the model's ``idx.add_(1)`` for its next layer, a mask or offset it updates) makes the
     backward fail ("modified by an inplace operation") where the model's own computation, which kept no such
     tensor, runs. A copy made where the op reads it is what the op must keep."""
+    if written is not None and not written:  # nothing is written later: nothing to copy
+        return
     aliases = Aliases(graph)
     for pos in positions:
         a = op.args[pos] if isinstance(pos, int) else op.kwargs.get(pos)

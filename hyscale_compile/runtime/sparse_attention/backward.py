@@ -90,14 +90,13 @@ def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
     warps, stages = WARPS or (8 if wide and dtype != torch.float32 else 4), STAGES or 1
     fp32 = dtype == torch.float32
 
-    def bk(n: int) -> int:
-        return min(PICKS or n, common.pow2(K))
+    def bk(n: int, own: int | None = None) -> int:  # a pass's own knob, then PICKS, then its default
+        return min(own or PICKS or n, common.pow2(K))
 
     if not split:
         return BH, [(True, True, bk(32), 0, warps, stages)]
     return BH, [(True, False, bk(16 if fp32 else 32), 0, warps, DQ_STAGES or stages),
-                (False, True, min(CONTRIB_PICKS, common.pow2(K)) if CONTRIB_PICKS else bk(16 if fp32 else 64),
-                        min(CHUNK, BDA, BDV), warps, stages)]
+                (False, True, bk(16 if fp32 else 64, CONTRIB_PICKS), min(CHUNK, BDA, BDV), warps, stages)]
 
 
 @triton.jit
@@ -453,7 +452,11 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     prec = common.mma_precision(q.dtype)
     flags = dict(CAUSAL=bool(picks.causal), HAS_OFFS=picks.offsets is not None, HAS_KM=picks.key_mask is not None,
                  PREC=prec, DA=DA, BDA=BDA, BDB=BDB)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *km_strides)
+
+    def strides_of(q, dout):  # the kernels' stride arguments, for q and dout or their chunk copies
+        return (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *km_strides)
+
+    strides = strides_of(q, dout)
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
         place, keys, ends = pick_order(idx[:, t0:t0 + R], t0, S, picks)
@@ -477,13 +480,11 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
             PC = _slices(B * R * G, K, BK, q.device)
             c_picks = triton.cdiv(triton.cdiv(K, PC), BK) * BK
             (q_c, q_t0), (do_c, do_t0) = _row_major_rows(q, t0, R), _row_major_rows(dout, t0, R)
-            c_strides = (*q_c.stride()[:3], *strides[3:9], *do_c.stride()[:3], *strides[12:])
             _contrib_kernel[(B * R, G, triton.cdiv(K, c_picks))](
                 q_c, k, v, do_c, lse, delta, idx, offs, km, place, contrib, ds, T, S, K, H, HG, CNHB, G, Dqk, Dv, W,
-                int(picks.offset), float(scale), float(scale) * common.LOG2E, *c_strides, t0, R, c_picks, q_t0, do_t0,
-                ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH, CSTAGES=CONTRIB_STAGES,
-                num_warps=warps,
-                num_stages=stages, **flags)
+                int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides_of(q_c, do_c), t0, R, c_picks,
+                q_t0, do_t0, ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH,
+                CSTAGES=CONTRIB_STAGES, num_warps=warps, num_stages=stages, **flags)
             _dq_kernel[(B * R * G * NHB, P)](
                 k, idx, offs, km, ds, dq_out, B, T, S, K, H, HG, NHB, G, Dqk, int(picks.offset), float(scale),
                 *k.stride()[:3], *km_strides, t0, R, slice_picks, dq_T, dq_t0, BH=BH, BK=BKQ,
