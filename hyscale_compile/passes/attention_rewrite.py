@@ -23,7 +23,18 @@ from . import masks
 from .attention_masks import MaskPlan, Term
 from .attention_mla import Latent
 from .attention_sites import Site, peel_repeat_kv, same_shape
-from .graph_ops import dtype, is_one, mutates, normalize_dim, op_name, own_copies, same_size, shape, value, writes_after
+from .graph_ops import (
+    dtype,
+    is_one,
+    mutates,
+    normalize_dim,
+    op_name,
+    own_copies,
+    same_size,
+    shape,
+    value,
+    writes_before_backward,
+)
 from .index_expr import Reject
 from .legality import requires_grad
 from .rewrite import canonical
@@ -43,8 +54,7 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
     graph = gm.graph
     att = site.attention
     existing = set(graph.nodes)
-    saves = requires_grad(att.node)  # the ops keep their inputs for a backward only where one is built
-    written, by_caller = (writes_after(att.node), writes_after(att.node, caller=True)) if saves else ([], [])
+    written, by_caller = writes_before_backward(att.node, requires_grad(att.node))
     try:
         with graph.inserting_before(att.node):
             out = _emit(graph, site, plan, latent)

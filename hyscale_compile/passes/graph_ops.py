@@ -459,6 +459,12 @@ def writes_after(node: fx.Node, caller: bool = False) -> list[fx.Node] | None:
     return found
 
 
+def writes_before_backward(node: fx.Node, backward: bool) -> tuple[list[fx.Node] | None, list[fx.Node] | None]:
+    """(``writes_after(node)``, ``writes_after(node, caller=True)``): what ``own_copies`` guards an op at ``node``
+    against; nothing where no backward is built (an op keeps its inputs only for one)."""
+    return (writes_after(node), writes_after(node, caller=True)) if backward else ([], [])
+
+
 def own_copies(graph: fx.Graph, op: fx.Node, positions: tuple[int, ...], written: list[fx.Node] | None) -> None:
     """Give the op call ``op`` a copy of each tensor argument at ``positions`` (args, then kwargs by name) that may
     share memory with a tensor in ``written`` (``writes_after``; None: any tensor).

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from . import masks
-from .graph_ops import dtype, is_tensor, op_name, own_copies, shape, value, writes_after
+from .graph_ops import dtype, is_tensor, op_name, own_copies, shape, value, writes_before_backward
 from .index_expr import Leaf, Reject, Score, positive_scale
 from .legality import check_operands, requires_grad
 from .operands import peel
@@ -114,8 +114,7 @@ def rewrite(gm: fx.GraphModule, site: Site, sc: Score, plan: masks.MaskPlan, cut
         raise Reject("the selected tensor is not laid out as [batch..., query, key]", site.topk)
     check_operands(sc, site.topk)
     existing = set(gm.graph.nodes)
-    saves = requires_grad(site.score_node)  # the op keeps its inputs for a backward only where one is built
-    written, by_caller = (writes_after(site.topk), writes_after(site.topk, caller=True)) if saves else ([], [])
+    written, by_caller = writes_before_backward(site.topk, requires_grad(site.score_node))
     try:
         values, indices = _emit(gm.graph, site, sc, plan, scale, cuts)
         own_copies(gm.graph, site.select, _SAVED, written)
