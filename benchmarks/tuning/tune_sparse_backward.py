@@ -42,15 +42,16 @@ H, DQK, DV, K = 128, 576, 512, 2048  # the MLA latent layer
 # What each tries (the defaults came from earlier sweeps: SEGMENT_KEYS 16 -> 2, the contribution kernel's chunk
 # loops pipelined 4 deep, the dq kernel's pick loop 2 deep): SEGMENT_KEYS, SEGMENT_COLS (the columns a segment
 # program sums); CONTRIB_STAGES (1: not pipelined; the loops unrolled, as before, were 5% faster than 1);
-# DQ_STAGES; CONTRIB_PICKS (128 picks a contribution block halves the re-reads of q and dout but spills ~200 bytes
-# and changes dkv's bits); CHUNK, WARPS, PROGRAMS_PER_SM (slices of a row's picks: changes dq's bits). Left out
+# DQ_STAGES; CONTRIB_PICKS (64: the default before 128 picks a block halved the re-reads of q and dout,
+# 487 -> 396 ms at 64K with dq / dkv as close to an fp64 reference; a few spilled registers, other dkv bits);
+# CHUNK, WARPS, PROGRAMS_PER_SM (slices of a row's picks: changes dq's bits). Left out
 # as they do not compile or fit: STAGES=2 or 3 with the chunk loops unrolled (0.9-1.3 MB of shared memory),
 # PICKS=128 (the dq kernel's 311 KB).
 VARIANTS = [
     {},
     dict(SEGMENT_KEYS=1), dict(SEGMENT_KEYS=4), dict(SEGMENT_KEYS=16), dict(SEGMENT_COLS=512),
     dict(CONTRIB_STAGES=1), dict(CONTRIB_STAGES=2), dict(CONTRIB_STAGES=3), dict(DQ_STAGES=1), dict(DQ_STAGES=3),
-    dict(CONTRIB_PICKS=128), dict(CONTRIB_PICKS=128, CONTRIB_STAGES=2), dict(CHUNK=32), dict(WARPS=16),
+    dict(CONTRIB_PICKS=64), dict(CONTRIB_PICKS=64, CONTRIB_STAGES=2), dict(CHUNK=32), dict(WARPS=16),
     dict(PROGRAMS_PER_SM=8), dict(PROGRAMS_PER_SM=2),
 ]
 KERNELS = {"contrib_ms": "_contrib_kernel", "segment_ms": "_segment_kernel", "dq_ms": "_dq_kernel"}

@@ -65,7 +65,7 @@ STAGES: int | None = None
 SPLIT: bool | None = None  # dq and the contributions in two passes (None: where a program's tiles are wide)
 CHUNK = 64  # contribution columns per store in the second pass of a split
 DQ_STAGES: int | None = 2  # the dq kernel's pick loop (None: STAGES)
-CONTRIB_PICKS: int | None = None  # picks a block of the contribution kernel (None: PICKS's rule)
+CONTRIB_PICKS: int | None = None  # picks a block of the contribution kernel (None: PICKS's rule, then ``passes``')
 CONTRIB_STAGES = 4  # the contribution kernel's feature-chunk loops pipelined this deep (1: not pipelined)
 # Programs per SM to aim for by splitting each row's picks into slices (0: one slice per row).
 PROGRAMS_PER_SM = 4
@@ -82,9 +82,11 @@ def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
     at BK = 32, 4 warps). Wide tiles (the MLA layer) do not fit one program on sm_90 (dq's accumulator
     [64, 576] fp32 alone is 144 registers a thread at 8 warps; q and dout held twice in shared memory, as A
     and as B operand, exceed it), and the latent entry folds dv into dk per pick: two passes, the dq kernel
-    (BK = 32, first tuple) after the contribution kernel (BK = 64, CH feature columns at a time, second
-    tuple). ptxas for sm_90a (bf16, MLA at 128 heads): benchmarks/NOTES-sparse-attention.md. fp32 (tf32x3):
-    16 heads a dq program, BK = 16 (launchable, spilling: the model computes this layer in 16-bit)."""
+    (BK = 32, first tuple) after the contribution kernel (CH feature columns at a time, second tuple; BK = 128
+    picks for the 16-bit latent entry: q and dout are re-read once per block of picks, and halving those re-reads
+    outweighs the registers ptxas spills there; 64 elsewhere). ptxas for sm_90a (bf16, MLA at 128 heads) and the
+    timings: benchmarks/NOTES-sparse-attention.md. fp32 (tf32x3): 16 heads a dq program, BK = 16 (launchable,
+    spilling: the model computes this layer in 16-bit)."""
     BH, wide = common.head_block(HG, BDA + BDB + BDV, dtype, HEAD_BLOCK)
     split = wide or fold if SPLIT is None else SPLIT or fold
     warps, stages = WARPS or (8 if wide and dtype != torch.float32 else 4), STAGES or 1
@@ -96,7 +98,8 @@ def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
     if not split:
         return BH, [(True, True, bk(32), 0, warps, stages)]
     return BH, [(True, False, bk(16 if fp32 else 32), 0, warps, DQ_STAGES or stages),
-                (False, True, bk(16 if fp32 else 64, CONTRIB_PICKS), min(CHUNK, BDA, BDV), warps, stages)]
+                (False, True, bk(16 if fp32 else 128 if fold else 64, CONTRIB_PICKS), min(CHUNK, BDA, BDV), warps,
+                 stages)]
 
 
 @triton.jit
