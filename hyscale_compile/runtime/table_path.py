@@ -24,17 +24,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .env import interpreting
 from .filter import tile_scores
-from .final_select import select_rows_reference, select_sorted
 from .final_sort import values
 from .plan import Plan
 from .problem import Problem, cdiv
 from .score_tile import block_rows, composite, order_key, tile_values
-
-# What ranks the table: "topk" (torch.topk over composites, then the values launch) or "final_select" (raw
-# entries through the pipeline's final select and sort).
-RANKER = "topk"
 
 
 @triton.jit
@@ -43,9 +37,8 @@ def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_p
                  sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                  ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, RAW: tl.constexpr):
-    """out[r, s] = composite(order_key(value[r, s]), s) for key tile program_id(0) of one query block (RAW:
-    the raw entry, value bits << 32 | s).
+                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[r, s] = composite(order_key(value[r, s]), s) for key tile program_id(0) of one query block.
 
     Values as the pipeline computes them: the filter's score tile (pointer loads), then ``tile_values``
     (bias added, bool mask and the row's [lo, hi) range replaced by the fill). A tile outside every row's
@@ -65,31 +58,21 @@ def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_p
                                         sqh, swh, scale, 0, None, None, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC, False)
     val, _ = tile_values(acc, rows_t * 0 + b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
                          mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
-    if RAW:
-        entry = (val.to(tl.int32, bitcast=True).to(tl.int64) << 32) | cols[None, :]
-    else:
-        entry = composite(order_key(val), cols[None, :])
-    tl.store(out_ptr + rid[:, None] * out_stride + cols[None, :], entry, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + rid[:, None] * out_stride + cols[None, :], composite(order_key(val), cols[None, :]),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
-def composites(pb: Problem, raw: bool = False) -> Tensor:
-    """The int64 composite table [B, T, S] of every entry (what ``select`` ranks), or (raw) its raw entries:
-    row b * T + t of the kernel's [R, S] (shaped so, torch.topk gives [B, T, k] with no view to make)."""
+def composites(pb: Problem) -> Tensor:
+    """The int64 composite table [B, T, S] of every entry (what ``select`` ranks): row b * T + t of the
+    kernel's [R, S] (shaped so, torch.topk gives [B, T, k] with no view to make)."""
     comp = torch.empty(pb.B, pb.T, pb.S, dtype=torch.int64, device=pb.device)
     pb.launch(table_kernel, (cdiv(pb.S, pb.tile.bs), pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, comp,
-              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, pb.S, RAW=raw)
+              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, pb.S)
     return comp
 
 
 def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor]:
     """(values fp32 [B, T, k], positions int64 [B, T, k]) of each row's top plan.k, ordered by (value desc,
-    position asc), or with sorted=False the same entries in the ranker's unspecified order."""
-    if RANKER == "final_select":
-        raw = composites(pb, raw=True).view(pb.rows, pb.S)
-        if interpreting() and sorted:  # as the pipeline's last stage does (its kernel is slow there)
-            v, i = select_rows_reference(raw, plan.k)
-        else:
-            v, i, _ = select_sorted(raw, plan.k, sort=sorted)
-        return v.view(pb.B, pb.T, plan.k), i.view(pb.B, pb.T, plan.k)
+    position asc), or with sorted=False the same entries in torch.topk's unspecified order."""
     top = torch.topk(composites(pb), plan.k, dim=-1, sorted=sorted)
     return values(top.values), top.indices  # the table's column is the position: no decode needed

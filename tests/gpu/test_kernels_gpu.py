@@ -222,18 +222,13 @@ def test_tie_rows_need_no_recovery(family):
     assert stats.read().rows_recovered == 0
 
 
-@pytest.mark.parametrize("ranker", ["topk", "final_select"])
 @pytest.mark.parametrize("T,S,H", [(1, 32768, 64), (4, 131072, 16), (64, 131072, 64), (16, 1 << 20, 64)])
-def test_table_route_at_decode_shapes(T, S, H, ranker, monkeypatch):
+def test_table_route_at_decode_shapes(T, S, H):
     """Decode shapes take the table route by default; it selects the pipeline's bits (random values: every
     sum inexact, so only the same arithmetic gives the same bits), sorted and unsorted (the same entries),
-    without a sync, and from a CUDA graph, with either ranker of the table. T=16 at 2**20 keys is past the
-    table limit: the plan says so."""
+    without a sync, and from a CUDA graph. T=16 at 2**20 keys is past the table limit: the plan says so."""
     hytopk, _, _ = _mods()
     from hyscale_compile.runtime import plan as plan_mod
-    from hyscale_compile.runtime import table_path
-
-    monkeypatch.setattr(table_path, "RANKER", ranker)
     from hyscale_compile.runtime.problem import Problem
 
     g = torch.Generator(device="cuda").manual_seed(21)

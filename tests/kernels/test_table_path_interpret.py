@@ -4,18 +4,15 @@ Small calls write their int64 composite table and rank it with torch.topk instea
 the result must not tell the routes apart. Each case runs both routes (forced with ``Tuning.table``) and
 the reference: values and indices of the table route equal the pipeline's bitwise (sorted), and the
 reference's too where every score is exact (multiples of 1/8); on random values, whose sums round,
-the reference agrees by the near-tie rule. sorted=False gives each row's same entries. The other ranker
-(``table_path.RANKER = "final_select"``: raw entries through the pipeline's final select) gives the same bits.
+the reference agrees by the near-tie rule. sorted=False gives each row's same entries.
 """
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
-from hyscale_compile.runtime import hytopk, plan, reference, table_path
+from hyscale_compile.runtime import hytopk, plan, reference
 from hyscale_compile.runtime.plan import Tuning, make_plan
 from hyscale_compile.runtime.problem import Problem
 from hyscale_compile.runtime.reference import Visibility
@@ -54,10 +51,8 @@ def by_position(v: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.T
 ALL_VISIBLE = Visibility()
 
 
-def routes(q, kx, w, k, vis=ALL_VISIBLE, fill=NEG_INF, scale=0.5, relu=True, exact=True, final_kernel=False):
-    """Both routes and the reference; returns the table route's (values, indices). The final_select ranker
-    sorted ranks the raw table by the final select's reference here (as the pipeline's last stage does under
-    the interpreter); final_kernel also runs its kernel (sorted=False; slow under the interpreter)."""
+def routes(q, kx, w, k, vis=ALL_VISIBLE, fill=NEG_INF, scale=0.5, relu=True, exact=True):
+    """Both routes and the reference; returns the table route's (values, indices)."""
     args = (q, kx, w, k, scale, relu, vis, fill)
     pv, pi = hytopk.select(*args, tuning=PIPELINE)
     tv, ti = hytopk.select(*args, tuning=TABLE)
@@ -72,12 +67,6 @@ def routes(q, kx, w, k, vis=ALL_VISIBLE, fill=NEG_INF, scale=0.5, relu=True, exa
     uv, ui = hytopk.select(*args, sorted=False, tuning=TABLE)
     (sv, si), (wv, wi) = by_position(uv, ui), by_position(tv, ti)
     assert torch.equal(si, wi) and torch.equal(bits(sv), bits(wv)), "sorted=False: not the same entries"
-    with mock.patch.object(table_path, "RANKER", "final_select"):
-        fv, fi = hytopk.select(*args, tuning=TABLE)
-        assert torch.equal(bits(fv), bits(tv)) and torch.equal(fi, ti), "final_select ranker: other result"
-        if final_kernel:
-            sv, si = by_position(*hytopk.select(*args, sorted=False, tuning=TABLE))
-            assert torch.equal(si, wi) and torch.equal(bits(sv), bits(wv)), "final_select kernel: other entries"
     return tv, ti
 
 
@@ -102,7 +91,7 @@ def test_one_head_no_weights_negative_scale(weights, scale, relu):
 
 def test_ties_all_equal_and_duplicate_keys():
     q, kx, w = exact_inputs(B=1, T=4, S=260, seed=4)
-    routes(q, kx[:, :1].expand(1, 260, 16).contiguous(), w, 40, final_kernel=True)  # positions decide
+    routes(q, kx[:, :1].expand(1, 260, 16).contiguous(), w, 40)  # every key scores the same: positions decide
     g = torch.Generator().manual_seed(5)
     routes(q, kx[:, torch.randint(0, 4, (260,), generator=g)], w, 40, Visibility(causal=True, offset=250))
 
@@ -122,7 +111,7 @@ def test_nan_and_inf():
     q[0, 1, 0, 2] = float("nan")  # row 1: every score NaN (ranks above +inf)
     q[0, 2, 1, 0] = float("inf")
     kx[0, 11, 3] = float("nan")
-    routes(q, kx, w, 9, relu=False, final_kernel=True)
+    routes(q, kx, w, 9, relu=False)
     routes(q, kx, w, 9, Visibility(causal=True, offset=140))
 
 
@@ -131,9 +120,7 @@ def test_few_visible_keys(fill):
     """More queries than keys and a causal offset below 0: early rows see fewer than k keys or none; their
     masked picks follow, lowest position first, with the fill (which may outrank every visible key)."""
     q, kx, w = exact_inputs(B=1, T=9, S=7, seed=8)
-    # the final select's kernel (slow here) for the usual fill and for the one ranked above every key
-    routes(q, kx, w, 5, Visibility(causal=True, offset=-3), fill=fill, final_kernel=fill == NEG_INF
-           or fill != fill)
+    routes(q, kx, w, 5, Visibility(causal=True, offset=-3), fill=fill)
 
 
 def test_all_masked_rows_mask_and_bias():
