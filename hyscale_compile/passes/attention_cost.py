@@ -13,12 +13,13 @@ on the layout:
   dense attention, but on k keys instead of S.
 
 The rates are fitted to ``benchmarks/sparse_attention.py`` on the H200 (the GQA and per-head layouts and the
-dense baselines: results/sparse_attention.json; the latent op: results/sparse_attention_latent.json; all at
-T = S = 8192, k = 2048, bf16), and the decisions they give are checked against the DeepSeek-V3.2 layer's measured
-steps (results/model.json; tests/test_attention_cost.py). They are first-order and will move with the kernels,
-which is why the decision is an estimate with a margin and ``options["attention"] = "always"`` overrides it. A
-training graph (any of q, k, v needs a gradient) counts forward and backward; an inference graph the forward
-only. Sizes that are symbolic are read at the sizes the graph was traced with.
+dense baselines: results/sparse_attention.json, T = S = 8192, k = 2048, bf16) and, for the latent op, to the
+sparse kernels of the DeepSeek-V3.2 layer step (results/model.json's profiled kernels at T = 32768 and 65536,
+after the latent backward's kernel changes, which the 8K latent row predates); the decisions they give are
+checked against the layer's measured steps (tests/test_attention_cost.py). They are first-order and will move
+with the kernels, which is why the decision is an estimate with a margin and ``options["attention"] = "always"``
+overrides it. A training graph (any of q, k, v needs a gradient) counts forward and backward; an inference graph
+the forward only. Sizes that are symbolic are read at the sizes the graph was traced with.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ SPARSE_FWD_FLOPS_PER_MS = 1.85e11  # forward: 2 * H * (Dqk + Dv) a pick
 BWD_MS_PER_PICK = 2.05e-6  # backward: fixed cost of a pick (the sort by key, the segment pass)
 BWD_MS_PER_CONTRIB = 5.41e-9  # backward: a pick's fp32 contribution values, written and read back
 BWD_MS_PER_FLOP = 3.8e-11  # backward: the recomputed products
-BWD_MS_PER_FLOP_LATENT = 2.1e-11  # the latent op's backward: stored ds, one contribution kernel for all heads
+# The latent op's backward: the contribution and dq kernels (stored ds, one contribution for all heads) per flop,
+# and per value of a pick's contribution the segment pass that reads it back, with the sort, delta and copies.
+BWD_MS_PER_FLOP_LATENT = 1.53e-11
+BWD_LATENT_MS_PER_CONTRIB = 2.53e-9
 HEAD_BLOCK = 64  # query heads of one kv group a backward program handles (contribution rows per pick)
 # Dense attention as the model runs it (SDPA's kernels over all S keys: a boolean or additive mask skips none).
 DENSE_FWD_FLOPS_PER_MS = 3.3e11
@@ -77,11 +81,11 @@ def sparse_ms(s: Shape) -> float:
     fwd = picks * max(gathered / GATHER_BYTES_PER_MS, flops / SPARSE_FWD_FLOPS_PER_MS)
     if not s.training:
         return fwd
-    if s.aliased:  # the latent op: one Dqk-wide contribution a pick and kv group
-        contrib, per_flop = s.G * s.Dqk, BWD_MS_PER_FLOP_LATENT
-    else:  # the row kernel: Dqk + Dv a pick, kv group and block of heads
-        contrib, per_flop = math.ceil(s.H / s.G / HEAD_BLOCK) * s.G * (s.Dqk + s.Dv), BWD_MS_PER_FLOP
-    return fwd + picks * (BWD_MS_PER_PICK + contrib * BWD_MS_PER_CONTRIB + flops * per_flop)
+    if s.aliased:  # the latent op: one Dqk-wide contribution a pick and kv group, fitted with its kernels
+        return fwd + picks * (s.G * s.Dqk * BWD_LATENT_MS_PER_CONTRIB + flops * BWD_MS_PER_FLOP_LATENT)
+    # the row kernel: Dqk + Dv a pick, kv group and block of heads
+    contrib = math.ceil(s.H / s.G / HEAD_BLOCK) * s.G * (s.Dqk + s.Dv)
+    return fwd + picks * (BWD_MS_PER_PICK + contrib * BWD_MS_PER_CONTRIB + flops * BWD_MS_PER_FLOP)
 
 
 def dense_ms(s: Shape) -> float:
