@@ -249,6 +249,18 @@ def test_latent_chunks_slices_and_head_blocks(monkeypatch):
     _close(_run_latent("triton", q, kv, idx, picks, dout, case.Dv), want, 2e-5)
 
 
+def test_latent_16_bit_takes_128_picks_a_contribution_block():
+    """The 16-bit latent backward's contribution kernel takes 128 picks a block (K = 160: a full block and a
+    masked one), fp32 keeps 16: against the reference's fp32 sums, to the inputs' rounding."""
+    assert backward.passes(4, 16, 8, 16, torch.bfloat16, 160, fold=True)[1][1][2] == 128
+    assert backward.passes(4, 16, 8, 16, torch.float32, 160, fold=True)[1][1][2] == 16
+    assert backward.passes(128, 512, 64, 512, torch.bfloat16, 2048)[1][1][2] == 64  # wide tiles, no fold
+    case = Case(B=1, T=3, H=4, G=1, Dqk=24, Dv=16, S=200, K=160, offset=197, alias=True)
+    q, kv, _, idx, picks, dout = _problem(case, dtype=torch.bfloat16, seed=11)
+    _close(_run_latent("triton", q, kv, idx, picks, dout, case.Dv),
+           _run_latent("naive", q, kv, idx, picks, dout, case.Dv), 2e-2)
+
+
 def test_latent_head_major_q_and_dout_keep_the_bits(monkeypatch):
     """q and dout laid out head-major ([B, H, T, D] in memory, as autograd gives the absorbed projection's
     gradient) are copied a chunk of rows at a time for the contribution kernel: the bits of row-major inputs,
