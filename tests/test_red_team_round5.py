@@ -393,9 +393,9 @@ def _gqa(form):
 
 
 ATTENTION_SPELLINGS = {
-    # the same mask as causal & ~hidden, but the pass reads ~causal as the model's mask and finds it negated: left
-    # alone (slower, not wrong)
-    "or_de_morgan": (_sdpa(lambda i: ~(~_causal() | _hidden(i))), "rejected"),
+    # the same mask as causal & ~hidden: rejected with a misleading "polarity" reason until round 6, which reads
+    # ~causal through its ~ (test_red_team_round6)
+    "or_de_morgan": (_sdpa(lambda i: ~(~_causal() | _hidden(i))), "rewritten"),
     "or_keeps_unpicked": (_sdpa(lambda i: _causal() | ~_hidden(i)), "rejected"),
     # the keys *after* the diagonal: a partner mask of its own (read at the picks), not the causal kind inverted
     "and_with_inverted_partner": (_sdpa(lambda i: ~_causal() & ~_hidden(i)), "rewritten"),

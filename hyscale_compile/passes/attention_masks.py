@@ -40,6 +40,7 @@ from .sites import describe
 
 DIMS = ("b", "h", "t", "s")  # the attention's [B, H, T, S]
 _MAX_PARTNERS = 4
+_MAX_READINGS = 64  # ways to read the partner masks (_polarities) tried at most
 
 # Which fills hide a key exactly. The op gives a hidden key no weight at all; the model's softmax (in fp32, or on
 # its 16-bit input upcast to fp32) gives it exp(x_h - m) / sum, with m the row's largest logit and x_h the hidden
@@ -321,18 +322,20 @@ def _add(a, b, subtract: bool, dt, node: fx.Node, scatter: fx.Node):
 def plan(site: Site) -> MaskPlan:
     _check_scatter_shape(site)
     expr = _Expr(site)
-    partners = list({id(t.node): t for t in expr.partners}.values())
-    if len(partners) > _MAX_PARTNERS:
-        raise Reject(f"the attention mask combines {len(partners)} masks with the index mask", site.scatter)
-    table = {}
-    for picked, *vs in itertools.product((False, True), repeat=len(partners) + 1):
-        env = {t.node: v for t, v in zip(partners, vs)}
-        v = expr.evaluate(picked, env)
-        if site.attention.kind == "sdpa" and isinstance(v, torch.Tensor):
-            v = v.to(site.attention.dtype)  # SDPA adds its float mask in its dtype (autocast casts the mask too)
-        table[(picked, *vs)] = v
+    found = list({id(t.node): t for t in expr.partners}.values())
+    if len(found) > _MAX_PARTNERS:
+        raise Reject(f"the attention mask combines {len(found)} masks with the index mask", site.scatter)
+    for partners in _polarities(expr, found):
+        table = _table(site, expr, partners)
+        try:
+            additive = _check_table(site, table)
+        except Reject as err:
+            error = err
+            continue
+        break
+    else:
+        raise error
     out = MaskPlan(nodes=list(expr.labels))
-    additive = _check_table(site, table)
     for t in partners:
         if t.node in expr.triangles:
             _triangle(site, expr.triangles[t.node], t.labels, out)
@@ -344,6 +347,82 @@ def plan(site: Site) -> MaskPlan:
         out.notes.append("the model's mask varies over queries and keys in a way that is not a position rule: it is "
                          "read at the picks only, and picks it hides are dropped")
     return out
+
+
+def _table(site: Site, expr: _Expr, partners: list[Term]) -> dict:
+    """The mask's value for every combination of picked and the partners' values."""
+    table = {}
+    for picked, *vs in itertools.product((False, True), repeat=len(partners) + 1):
+        env = {t.node: v for t, v in zip(partners, vs)}
+        v = expr.evaluate(picked, env)
+        if site.attention.kind == "sdpa" and isinstance(v, torch.Tensor):
+            v = v.to(site.attention.dtype)  # SDPA adds its float mask in its dtype (autocast casts the mask too)
+        table[(picked, *vs)] = v
+    return table
+
+
+def _polarities(expr: _Expr, found: list[Term]):
+    """The partner masks to evaluate the mask over: as found, or a boolean combination of masks (``~causal``,
+    ``~causal | ~pad``) read through its ``~``, ``&`` and ``|`` down to the masks it combines.
+    ``~(~causal | hidden)`` (De Morgan's spelling of ``causal & ~hidden``) hides a key exactly where ``~causal``
+    is True: as a function of ``~causal`` it is never "picked and visible", but as a function of ``causal`` it is.
+    Every choice evaluates the same expression exactly (the operators are evaluated as written), so any choice
+    whose table checks out is a proof. The combinations are read through first, where the model's masks are then
+    position rules or key masks the op has an argument for; then as found (``~causal & ~hidden`` keeps the keys
+    after the diagonal: ``~causal`` is the mask, read at the picks). Duplicates are merged."""
+    options = [_readings(t) for t in found]
+    for choice in itertools.islice(itertools.product(*options), _MAX_READINGS):
+        terms = _merged([t for part in choice for t in part], expr.labels)
+        if terms is None or len(terms) > _MAX_PARTNERS or terms == found:
+            continue
+        for t in terms:
+            expr.labels.setdefault(t.node, t.labels)  # read by the mask: checked for writes like the rest
+        yield terms
+    yield found  # last: where no reading proves the mask, the reason describes the masks as the model wrote them
+
+
+def _readings(t: Term) -> list[list[Term]]:
+    """The ways to read a partner mask: through its boolean operators down to at most 8, ..., 1 levels, then as
+    it is (``~(causal & pad)``: as ``causal``, ``pad``, where ``pad`` is itself ``a | b``)."""
+    out = []
+    for levels in range(8, 0, -1):
+        atoms = _atoms(t.node, t.labels, levels)
+        if atoms is not None and [a.node for a in atoms] != [t.node] and \
+                all([a.node for a in atoms] != [o.node for o in other] for other in out):
+            out.append(atoms)
+    return [*out, [t]]
+
+
+def _atoms(node: fx.Node, labels: tuple, levels: int) -> list[Term] | None:
+    """The boolean masks an out-of-place ``~`` / ``&`` / ``|`` combination of boolean tensors reads, ``levels``
+    operators deep ([node] where it is none), each with its dims' labels; None where the combination reads
+    something else."""
+    name, inplace = mask_op(node)
+    if inplace or name not in ("invert", "and", "or") or levels == 0:
+        return [Term(node, labels)]
+    out = []
+    for a in node.args[:1] if name == "invert" else node.args[:2]:
+        if isinstance(a, bool):
+            continue
+        if not isinstance(a, fx.Node) or dtype(a) != torch.bool:
+            return None
+        inner = _atoms(a, _labels_for(labels, shape(node), a), levels - 1)
+        if inner is None:
+            return None
+        out.extend(inner)
+    return out
+
+
+def _merged(terms: list[Term], labels: dict) -> list[Term] | None:
+    """The terms, each mask once; None where a mask is read with its dims in two roles (here or elsewhere in the
+    mask): the evaluation takes each mask as one value per (batch, head, query, key) position."""
+    out: dict[fx.Node, Term] = {}
+    for t in terms:
+        seen = out.get(t.node) or (Term(t.node, labels[t.node]) if t.node in labels else None)
+        if seen is not None and seen.labels != t.labels:
+            return None
+        out[t.node] = t
+    return list(out.values())
 
 
 def _check_scatter_shape(site: Site) -> None:
