@@ -100,3 +100,44 @@ def test_negated_mask_that_is_not_the_same_keeps_an_accurate_reason():
     """``~(causal | hidden)``: visible at unpicked keys before the diagonal; no choice of partners proves it."""
     (site,) = _attention(check_compiled(_sdpa(lambda s: ~(_causal() | _hidden(_picks(s)))), _inputs(), grad=(0, 1, 2)))
     assert site.decision == "rejected" and "polarity" in site.reason, site.reason
+
+
+def _two_layers(how):
+    """The second attention reads the first one's output as its queries, with the same picks (GLM's shared
+    layers)."""
+
+    def model(q, k, v, score):
+        idx = _picks(score)
+        for _ in range(2):
+            if how == "sdpa":
+                q = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal() & ~_hidden(idx))
+            else:
+                w = (q @ k.transpose(-1, -2) * D ** -0.5).masked_fill(~(_causal() & ~_hidden(idx)), MIN)
+                q = torch.softmax(w, -1) @ v
+        return q
+
+    return model
+
+
+# Found in review (round 5, left open), fixed (a misleading reason): a second attention whose q is the value a
+# rewritten attention returned was rejected as "q, k and v are not 4-D": the nodes the rewrite inserted carried no
+# example value, so the pass could not read their shape. The rewrite now records one on every node it inserts
+# (graph_ops.record_values), from the graph's fake tensors in the grad mode where the node runs.
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("how", ["sdpa", "eager"])
+def test_attention_reading_a_rewritten_attention(how, compiler):
+    reports = check_compiled(_two_layers(how), _inputs(), grad=(0, 1, 2), compiler=compiler)
+    assert _decisions(reports) == ["rewritten", "rewritten"], [r.reason for r in _attention(reports)]
+
+
+def test_recorded_values_follow_no_grad():
+    """The value recorded for the first op's output does not require grad under no_grad, as eager's does not: the
+    second site's estimate and legality read it."""
+
+    def model(q, k, v, score):
+        with torch.no_grad():
+            first = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal() & ~_hidden(_picks(score)))
+        return F.scaled_dot_product_attention(first, k, v, attn_mask=_causal() & ~_hidden(_picks(score)))
+
+    reports = check_compiled(model, _inputs(), grad=(0, 1, 2), compiler="aot_eager")
+    assert _decisions(reports) == ["rewritten", "rewritten"], [r.reason for r in _attention(reports)]

@@ -30,6 +30,7 @@ from .graph_ops import (
     normalize_dim,
     op_name,
     own_copies,
+    record_values,
     same_size,
     shape,
     value,
@@ -67,6 +68,7 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
         for n in reversed([n for n in graph.nodes if n not in existing]):
             graph.erase_node(n)
         raise
+    record_values([n for n in graph.nodes if n not in existing])
     for n in graph.nodes:
         if n not in existing:
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):

@@ -229,6 +229,20 @@ def infer_value(node: Any, depth: int = 0) -> Any:
         return None
 
 
+def record_values(nodes) -> None:
+    """Record the example value of each node a pass inserted (in graph order), as Dynamo records its own: a later
+    site of the same graph reads its operands' shapes, dtypes and requires_grad from them (a second attention whose
+    q is the first one's rewritten output). Computed on the graph's fake tensors in the grad mode where the node
+    runs; a node whose value cannot be computed is left without one."""
+    for n in nodes:
+        if value(n) is not None:
+            continue
+        with torch.set_grad_enabled(grad_enabled_at(n)):
+            v = infer_value(n)
+        if v is not None:
+            n.meta["example_value"] = v
+
+
 def shape(node: Any) -> tuple | None:
     v = value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
