@@ -141,3 +141,31 @@ def test_recorded_values_follow_no_grad():
 
     reports = check_compiled(model, _inputs(), grad=(0, 1, 2), compiler="aot_eager")
     assert _decisions(reports) == ["rewritten", "rewritten"], [r.reason for r in _attention(reports)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's causal mask written in place before the mask reads it, through views the pass knows by no name
+
+_CAUSAL_WRITES = {
+    "diagonal": lambda c: c.diagonal(S - T).fill_(False),
+    "narrow": lambda c: c.narrow(0, 0, 1).fill_(False),
+    "unbind": lambda c: c.unbind(0)[1].fill_(False),
+    "t": lambda c: c.t().__setitem__((1, 2), False),
+    "as_strided": lambda c: c.as_strided((2,), (1,)).fill_(False),
+    "unfold": lambda c: c.unfold(1, 2, 2).__setitem__((0, 0, 0), False),
+    "bool": lambda c: c.bool().__setitem__((0, 0), False),  # a no-op cast returns its input
+}
+
+
+# The pass reads the causal mask from its construction (the arange comparison), so a write into it anywhere before
+# the attention must leave the site alone (the storage of the example values shows the aliasing). Pinned; the reason
+# said the write came "after the model read it", where it comes before the model's read and after the mask is made.
+@pytest.mark.parametrize("write", sorted(_CAUSAL_WRITES))
+def test_causal_mask_written_through_a_view(write):
+    def model(q, k, v, score):
+        causal = _causal()
+        _CAUSAL_WRITES[write](causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~_hidden(_picks(score)))
+
+    (site,) = _attention(check_compiled(model, _inputs(), grad=(0, 1, 2)))
+    assert site.decision == "rejected" and "after it is made" in site.reason, site.reason
