@@ -102,6 +102,22 @@ def test_negated_mask_that_is_not_the_same_keeps_an_accurate_reason():
     assert site.decision == "rejected" and "polarity" in site.reason, site.reason
 
 
+def _negation_written(s):
+    negated = ~_causal()
+    negated[:, 0] = True  # key 0 hidden for every query once negated back
+    return ~negated & ~_hidden(_picks(s))
+
+
+# Found in review of this round's own change, fixed before it shipped (wrong values): reading ``~negated`` through
+# its ``~`` down to ``causal`` proved the mask ``causal & ~hidden`` and rewrote it, but ``negated`` was written in
+# place between its construction and the ``~`` that reads it: the op attended to key 0, the model did not (80 of
+# 160 outputs off). The operators a reading goes through are now part of what the evaluation read, checked for
+# writes like the rest of the mask.
+def test_operator_read_through_and_written_in_place():
+    (site,) = _attention(check_compiled(_sdpa(_negation_written), _inputs(), grad=(0, 1, 2)))
+    assert site.decision == "rejected" and "may change negated" in site.reason, site.reason
+
+
 def _two_layers(how):
     """The second attention reads the first one's output as its queries, with the same picks (GLM's shared
     layers)."""

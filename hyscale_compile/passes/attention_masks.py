@@ -372,41 +372,48 @@ def _polarities(expr: _Expr, found: list[Term]):
     after the diagonal: ``~causal`` is the mask, read at the picks). Duplicates are merged."""
     options = [_readings(t) for t in found]
     for choice in itertools.islice(itertools.product(*options), _MAX_READINGS):
-        terms = _merged([t for part in choice for t in part], expr.labels)
-        if terms is None or len(terms) > _MAX_PARTNERS or terms == found:
+        atoms = [t for reading, _ in choice for t in reading]
+        through = [t for _, nodes in choice for t in nodes]
+        terms = _merged(atoms, expr.labels)
+        if terms is None or _merged(through, expr.labels) is None or len(terms) > _MAX_PARTNERS or terms == found:
             continue
-        for t in terms:
-            expr.labels.setdefault(t.node, t.labels)  # read by the mask: checked for writes like the rest
+        # what the evaluation read (the masks, and the operators between them and the model's mask, whose values
+        # it computed from them): checked for writes after they are made, like the rest of the mask
+        for t in terms + through:
+            expr.labels.setdefault(t.node, t.labels)
         yield terms
     yield found  # last: where no reading proves the mask, the reason describes the masks as the model wrote them
 
 
-def _readings(t: Term) -> list[list[Term]]:
-    """The ways to read a partner mask: through its boolean operators down to at most 8, ..., 1 levels, then as
-    it is (``~(causal & pad)``: as ``causal``, ``pad``, where ``pad`` is itself ``a | b``)."""
+def _readings(t: Term) -> list[tuple[list[Term], list[Term]]]:
+    """The ways to read a partner mask, each (the masks read, the operators read through): through its boolean
+    operators down to at most 8, ..., 1 levels (``~(causal & pad)``: as ``causal``, ``pad``, where ``pad`` is
+    itself ``a | b``)."""
     out = []
     for levels in range(8, 0, -1):
-        atoms = _atoms(t.node, t.labels, levels)
+        through: list[Term] = []
+        atoms = _atoms(t.node, t.labels, levels, through)
         if atoms is not None and [a.node for a in atoms] != [t.node] and \
-                all([a.node for a in atoms] != [o.node for o in other] for other in out):
-            out.append(atoms)
-    return [*out, [t]]
+                all([a.node for a in atoms] != [o.node for o in other] for other, _ in out):
+            out.append((atoms, through))
+    return out
 
 
-def _atoms(node: fx.Node, labels: tuple, levels: int) -> list[Term] | None:
+def _atoms(node: fx.Node, labels: tuple, levels: int, through: list[Term]) -> list[Term] | None:
     """The boolean masks an out-of-place ``~`` / ``&`` / ``|`` combination of boolean tensors reads, ``levels``
     operators deep ([node] where it is none), each with its dims' labels; None where the combination reads
-    something else."""
+    something else. The operators read through are appended to ``through``."""
     name, inplace = mask_op(node)
     if inplace or name not in ("invert", "and", "or") or levels == 0:
         return [Term(node, labels)]
+    through.append(Term(node, labels))
     out = []
     for a in node.args[:1] if name == "invert" else node.args[:2]:
         if isinstance(a, bool):
             continue
         if not isinstance(a, fx.Node) or dtype(a) != torch.bool:
             return None
-        inner = _atoms(a, _labels_for(labels, shape(node), a), levels - 1)
+        inner = _atoms(a, _labels_for(labels, shape(node), a), levels - 1, through)
         if inner is None:
             return None
         out.extend(inner)
