@@ -91,10 +91,10 @@ def rewritten_with_attention(model, *args) -> tuple[object, list[fx.GraphModule]
 TOL = dict(rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
-def check_compiled(fn, args, grad=(), compiler="eager", ties=False, backward=False):
+def check_compiled(fn, args, grad=(), compiler="eager", ties=False, backward=False, **tol):
     """Compile ``fn`` with hyscale; assert its outputs, which outputs require grad, and the gradients of the
-    inputs at ``grad`` equal eager's; return the reports. ``backward``: ``.backward()`` instead of autograd.grad
-    (a reentrant checkpoint refuses the latter)."""
+    inputs at ``grad`` equal eager's (to ``TOL``, or the ``rtol`` / ``atol`` given); return the reports.
+    ``backward``: ``.backward()`` instead of autograd.grad (a reentrant checkpoint refuses the latter)."""
 
     def run(f):
         xs = [a.detach().clone().requires_grad_(i in grad) if a.is_floating_point() else a.clone()
@@ -121,5 +121,5 @@ def check_compiled(fn, args, grad=(), compiler="eager", ties=False, backward=Fal
     assert got[2] == want[2], f"requires_grad of the outputs: {got[2]} compiled, {want[2]} eager"
     for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        torch.testing.assert_close(a, b, **TOL)
+        torch.testing.assert_close(a, b, **{**TOL, **tol})
     return reports

@@ -185,3 +185,40 @@ def test_causal_mask_written_through_a_view(write):
 
     (site,) = _attention(check_compiled(model, _inputs(), grad=(0, 1, 2)))
     assert site.decision == "rejected" and "after it is made" in site.reason, site.reason
+
+
+def _float_index_mask(picked, cast):
+    def mask(s):
+        m = torch.zeros(B, T, S).scatter(-1, _picks(s), picked)[:, None]
+        return _causal() & cast(m)
+
+    return mask
+
+
+# Found in review, fixed (no reason at all): an index mask cast with ``.bool()``, ``.half()`` or ``.bfloat16()`` on
+# its way to the attention was no site: the pass knew those casts by no name, so the attention stayed dense and
+# nothing in the report said so. They are now the casts ``.to(dtype)`` is (graph_ops), evaluated as such: a float
+# 0/2 index mask cast to bool keeps exactly the picks; fp16's finfo.min added to the scores is rejected with why.
+@pytest.mark.parametrize("name, mask, decision, dt", [
+    ("bool_of_ones", _float_index_mask(1.0, lambda m: m.bool()), "rewritten", torch.float32),
+    ("bool_of_twos", _float_index_mask(2.0, lambda m: m.bool()), "rewritten", torch.float32),
+    ("half_additive", lambda s: torch.where(_causal() & ~_hidden(_picks(s)), 0.0,
+                                            torch.finfo(torch.float16).min).half(), "rejected", torch.float16),
+    ("bfloat16_additive", lambda s: torch.where(_causal() & ~_hidden(_picks(s)), 0.0, MIN).bfloat16(), "rewritten",
+     torch.bfloat16),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_index_mask_cast_by_method(name, mask, decision, dt):
+    tol = {} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    reports = check_compiled(_sdpa(mask), _inputs(dt=dt), grad=(0, 1, 2), **tol)
+    assert _decisions(reports) == [decision], [r.reason for r in _attention(reports)]
+
+
+def test_attention_weights_cast_with_type_as():
+    """``softmax(w, dtype=float32).type_as(q)`` (DeepSeek's reference code): the cast after the softmax was no name
+    the pass knew, so the eager attention was no site (and no reason); found with the casts above, fixed with them."""
+
+    def model(q, k, v, score):
+        w = (q @ k.transpose(-1, -2) * D ** -0.5).masked_fill(~(_causal() & ~_hidden(_picks(score))), MIN)
+        return torch.softmax(w, -1, dtype=torch.float32).type_as(q) @ v
+
+    assert _decisions(check_compiled(model, _inputs(), grad=(0, 1, 2))) == ["rewritten"]
