@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from helpers import check_compiled
 
+from hyscale_compile.passes import report
+
 B, T, S, H, D, K = 2, 5, 10, 2, 8, 4
 NEG = float("-inf")
 MIN = torch.finfo(torch.float32).min
@@ -222,3 +224,55 @@ def test_attention_weights_cast_with_type_as():
         return torch.softmax(w, -1, dtype=torch.float32).type_as(q) @ v
 
     assert _decisions(check_compiled(model, _inputs(), grad=(0, 1, 2))) == ["rewritten"]
+
+
+# ---------------------------------------------------------------------------------------------
+# dynamic shapes: sizes equal at run time that Dynamo gives separate symbols
+
+
+def _dynamic_layer(checked):
+    def model(q, k, v, score):
+        if checked:  # what the reason asks for
+            torch._check(k.shape[2] == v.shape[2])
+            torch._check(score.shape[2] == k.shape[2])
+            torch._check(score.shape[1] == q.shape[2])
+            torch._check(score.shape[0] == q.shape[0])
+            torch._check(k.shape[1] == v.shape[1])
+            torch._check(k.shape[0] == q.shape[0])
+            torch._check(v.shape[0] == q.shape[0])
+            torch._check(k.shape[3] == q.shape[3])
+        t, s = q.shape[2], k.shape[2]
+        causal = torch.arange(s)[None, :] <= torch.arange(t)[:, None] + (s - t)
+        hidden = torch.ones(q.shape[0], t, s, dtype=torch.bool).scatter(-1, _picks(score), False)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~hidden, scale=0.35)
+
+    return model
+
+
+# Found in review, fixed (a misleading reason): without duck sizing (or once sizes changed independently and
+# Dynamo recompiled), the keys' and values' lengths are separate symbols; the site was rejected as "q, k and v
+# shapes do not agree", and the indices' rows as "cover only part of the index mask's rows", where the sizes agree
+# and are only not provably equal. The reasons now say so and name what proves them (torch._check in the model),
+# which makes the site rewritten.
+@pytest.mark.parametrize("checked", [False, True])
+def test_symbolic_sizes_not_provably_equal(checked):
+    torch.fx.experimental._config.use_duck_shape, old = False, torch.fx.experimental._config.use_duck_shape
+    try:
+        torch._dynamo.reset()
+        with report.collect() as reports:
+            compiled = torch.compile(_dynamic_layer(checked), backend="hyscale", dynamic=True)
+            g = torch.Generator().manual_seed(0)
+            args = (*(torch.randn(3, H, n, D, generator=g, requires_grad=True) for n in (6, 12, 12)),
+                    torch.randn(3, 6, 12, generator=g))
+            out, want = compiled(*args), _dynamic_layer(checked)(*args)
+    finally:
+        torch.fx.experimental._config.use_duck_shape = old
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    grads = [torch.autograd.grad(o.sum(), args[:3]) for o in (out, want)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    (site,) = _attention(reports)
+    if checked:
+        assert site.decision == "rewritten", site.reason
+    else:
+        assert site.decision == "rejected" and "not provably equal" in site.reason and "torch._check" in site.reason

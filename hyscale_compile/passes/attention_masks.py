@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from . import masks, positions
-from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, mask_op, same_shape
+from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, differ, mask_op
 from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Leaf, Reject
 from .legality import requires_grad
@@ -439,11 +439,14 @@ def _check_scatter_shape(site: Site) -> None:
     B, T, S = sq[0], sq[2], sk[2]
     if sc is None or len(sc) not in (2, 3) or idx is None or len(idx) != len(sc):
         raise Reject("the index mask is not [batch, queries, keys]", site.scatter)
-    if not (same_size(sc[-1], S) and same_size(sc[-2], T) and (len(sc) == 2 or same_size(sc[0], B) or is_one(sc[0]))):
-        raise Reject(f"the index mask {list(sc)} does not match the attention's queries and keys ({T}, {S})",
-                     site.scatter)
-    if not same_shape(idx[:-1], sc[:-1]):
-        raise Reject("the scattered indices cover only part of the index mask's rows", site.scatter)
+    for what, a, b in (("keys", sc[-1], S), ("queries", sc[-2], T), ("batch", sc[0] if len(sc) == 3 else B, B)):
+        if not (same_size(a, b) or what == "batch" and is_one(a)):
+            raise Reject(f"the index mask {list(sc)} and the attention's {what} {differ(a, b)}", site.scatter)
+    for a, b in zip(idx[:-1], sc[:-1]):
+        if not same_size(a, b):  # scatter writes the index's rows only
+            raise Reject(f"the scattered indices {list(idx)} cover only part of the index mask's rows {list(sc)}"
+                         if isinstance(a, int) and isinstance(b, int) else
+                         f"the scattered indices' rows and the index mask's {differ(a, b)}", site.scatter)
 
 
 def _check_table(site: Site, table: dict) -> bool:

@@ -251,7 +251,23 @@ def _is_leading_slice(node: fx.Node) -> bool:
 def _check_range(selected_from, S, node: fx.Node) -> None:
     if selected_from is None or not same_size(selected_from, S):
         raise Reject(f"the indices were selected among {selected_from} keys and scattered along {S}: they are not "
-                     "provably in range", node)
+                     f"provably in range{_symbolic_hint(selected_from, S)}", node)
+
+
+def differ(a, b) -> str:
+    """Words for two sizes ``same_size`` could not prove equal: they differ, or are symbols it cannot compare."""
+    if isinstance(a, int) and isinstance(b, int):
+        return f"differ ({a} and {b})"
+    return f"are not provably equal ({a} and {b}){_symbolic_hint(a, b)}"
+
+
+def _symbolic_hint(a, b) -> str:
+    """Where a symbolic size is involved: Dynamo gives sizes separate symbols once they have changed independently
+    (a recompilation for new shapes), and the pass adds no guard; the model can state the equality itself."""
+    if a is None or b is None or isinstance(a, int) and isinstance(b, int):
+        return ""
+    return (" (Dynamo gave them separate symbols, e.g. after recompiling for new shapes, and the pass adds no "
+            "guards: torch._check(x.shape[i] == y.shape[j]) on the two sizes in the model proves them equal)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,8 +352,10 @@ def _check_layout(q, k, v, node: fx.Node, gqa: bool = True) -> None:
     sq, sk, sv = shape(q), shape(k), shape(v)
     if any(s is None or len(s) != 4 for s in (sq, sk, sv)):
         raise Reject("the attention's q, k and v are not 4-D [batch, heads, sequence, features] tensors", node)
-    if not same_size(sk[2], sv[2]) or not same_size(sk[1], sv[1]) or not same_size(sk[3], sq[3]):
-        raise Reject("the attention's q, k and v shapes do not agree", node)
+    for what, a, b in (("keys' and values' lengths", sk[2], sv[2]), ("keys' and values' heads", sk[1], sv[1]),
+                       ("queries' and keys' features", sq[3], sk[3])):
+        if not same_size(a, b):
+            raise Reject(f"the attention's {what} {differ(a, b)}", node)
     for s in (sk, sv):
         if not (same_size(s[0], sq[0]) or is_one(s[0])):
             raise Reject("the keys' batch does not match the queries'", node)
