@@ -276,3 +276,34 @@ def test_symbolic_sizes_not_provably_equal(checked):
         assert site.decision == "rewritten", site.reason
     else:
         assert site.decision == "rejected" and "not provably equal" in site.reason and "torch._check" in site.reason
+
+
+FILL = MIN  # a module-level float: Dynamo lifts it to a graph input under dynamic=True
+
+
+def _fill_model(fill):
+    def model(q, k, v, score):
+        w = q @ k.transpose(-1, -2) * D ** -0.5
+        w = w.masked_fill(~(_causal() & ~_hidden(_picks(score))), fill(w))
+        return torch.softmax(w, -1) @ v
+
+    return model
+
+
+# Found in review, fixed (a misleading reason): a masked_fill whose value is computed at run time (``w.amin()``) or a
+# float Dynamo lifted to a graph input (``.item()`` of it under dynamic=True) was rejected as "the attention mask adds
+# ..., a float tensor the pass cannot read (e.g. a learned bias)". The reason now says it is the fill value, why it
+# cannot be checked, and what to write instead.
+@pytest.mark.parametrize("fill, dynamic, words", [
+    (lambda w: w.detach().amin() - 1.0, False, "computed when the model runs"),
+    (lambda w: FILL, True, "Dynamo lifted to an input"),
+], ids=["runtime_scalar", "lifted_float"])
+def test_fill_value_not_a_constant(fill, dynamic, words):
+    torch._dynamo.reset()
+    args = _inputs()
+    with report.collect() as reports:
+        out = torch.compile(_fill_model(fill), backend="hyscale", dynamic=dynamic)(*args)
+    torch.testing.assert_close(out, _fill_model(fill)(*args), rtol=1e-4, atol=1e-5)
+    rejected = [r.reason for r in _attention(reports) if r.decision == "rejected"]
+    # (under dynamic=True Dynamo retraces with the float specialized, and that graph is rewritten)
+    assert rejected and all(words in r for r in rejected), rejected

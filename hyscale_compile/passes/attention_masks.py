@@ -207,10 +207,7 @@ class _Expr:
                 for a in node.all_input_nodes:
                     self._visit(a, _labels_for(labels, shape(node), a))
             return
-        what = f"the graph input `{input_name(node)}`" if node.op == "placeholder" else \
-            f"{describe(node)} ({node.name}, at {source_line(node)})"
-        raise Reject(f"the attention mask adds {what}, a float tensor the pass cannot read as visible / hidden (e.g. "
-                     "a learned bias): the op has no bias input", self.site.scatter)
+        raise Reject(_unreadable(node), self.site.scatter)
 
     def _check_scatter_labels(self, labels: tuple) -> None:
         if len(labels) < 2 or labels[-1] != "s" or labels[-2] not in ("t", None) or any(
@@ -281,6 +278,24 @@ class _Expr:
             return _add(a, b, name == "sub", dt, node, site.scatter)
         raise Reject(f"the mask goes through {describe(node)} ({node.name}), which the pass does not read",
                      site.scatter)
+
+
+def _unreadable(node: fx.Node) -> str:
+    """Why a float operand of the mask is none the pass reads: a scalar is a fill or offset whose value is not
+    known when the graph is compiled; anything larger is a bias the op has no input for."""
+    src = node.args[0] if node.op == "call_method" and node.target == "item" and node.args else None
+    if isinstance(src, fx.Node) and src.op == "placeholder":
+        return (f"the mask's fill value is the graph input `{input_name(src)}`: a Python number Dynamo lifted to an "
+                "input (floats are under dynamic=True), whose value is not known when the graph is compiled, so "
+                "whether it hides a key cannot be checked; write the constant in the model (torch.finfo(dtype).min, "
+                "float('-inf')) or compile without dynamic=True")
+    what = f"the graph input `{input_name(node)}`" if node.op == "placeholder" else \
+        f"{describe(node)} ({node.name}, at {source_line(node)})"
+    if shape(node) == ():
+        return (f"the mask's fill value is {what}, computed when the model runs: whether it hides a key exactly "
+                "cannot be checked (use -inf or torch.finfo(dtype).min)")
+    return (f"the attention mask adds {what}, a float tensor the pass cannot read as visible / hidden (e.g. a "
+            "learned bias): the op has no bias input")
 
 
 def _number(x) -> float | None:
