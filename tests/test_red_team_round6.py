@@ -307,3 +307,45 @@ def test_fill_value_not_a_constant(fill, dynamic, words):
     rejected = [r.reason for r in _attention(reports) if r.decision == "rejected"]
     # (under dynamic=True Dynamo retraces with the float specialized, and that graph is rewritten)
     assert rejected and all(words in r for r in rejected), rejected
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout on the eager attention weights
+
+
+def _eager_dropout(dropout):
+    def model(q, k, v, score):
+        w = (q @ k.transpose(-1, -2) * D ** -0.5).masked_fill(~(_causal() & ~_hidden(_picks(score))), MIN)
+        return dropout(torch.softmax(w, -1)) @ v
+
+    return model
+
+
+# Found in review, fixed (no reason at all): ``torch.dropout(w, p, train)`` (the function, not F.dropout) after the
+# softmax was no name the pass knew, so the attention was no site. Now read as F.dropout is: the identity in eval
+# mode or with p=0 (rewritten), a random mask in training (rejected, with why), the keyword ``train=`` included.
+@pytest.mark.parametrize("dropout, decision", [
+    (lambda w: torch.dropout(w, 0.5, False), "rewritten"),
+    (lambda w: torch.dropout(w, p=0.0, train=True), "rewritten"),
+    (lambda w: torch.dropout(w, 0.1, train=True), "rejected"),
+    (lambda w: F.dropout(w, p=0.1, training=True), "rejected"),
+    (lambda w: F.dropout(w, p=0.0, training=True), "rewritten"),
+], ids=["eval", "p0_train", "train_kw", "F_train", "F_p0_train"])
+def test_dropout_on_the_weights(dropout, decision):
+    torch.manual_seed(0)
+    if decision == "rejected":  # random in training: compare nothing but the decision and its reason
+        torch._dynamo.reset()
+        with report.collect() as reports:
+            torch.compile(_eager_dropout(dropout), backend="hyscale")(*_inputs())
+        (site,) = _attention(reports)
+        assert site.decision == "rejected" and "training mode" in site.reason, site.reason
+    else:
+        assert _decisions(check_compiled(_eager_dropout(dropout), _inputs(), grad=(0, 1, 2))) == [decision]
+
+
+def test_sdpa_dropout_is_rejected():
+    torch._dynamo.reset()
+    with report.collect() as reports:
+        torch.compile(_sdpa(lambda s: _causal() & ~_hidden(_picks(s)), dropout_p=0.1), backend="hyscale")(*_inputs())
+    (site,) = _attention(reports)
+    assert site.decision == "rejected" and "dropout_p=0.1" in site.reason, site.reason

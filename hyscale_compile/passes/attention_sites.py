@@ -388,7 +388,7 @@ def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
         if name in ("to", "float", "identity") and dtype(u) in (torch.float32, torch.bfloat16, torch.float16):
             nodes.append(u)
         elif name == "dropout":
-            p, training = arg(u, 1, "p", 0.5), arg(u, 2, "training", True)
+            p, training = arg(u, 1, "p", 0.5), arg(u, 2, "training", u.kwargs.get("train", True))  # torch.dropout's
             if isinstance(p, (int, float)) and p == 0:
                 how = "p=0"
             elif training is False:

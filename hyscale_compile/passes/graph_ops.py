@@ -88,6 +88,7 @@ _FUNCTIONS: dict[Any, str] = {
     torch.softmax: "softmax",
     F.softmax: "softmax",
     F.dropout: "dropout",
+    torch.dropout: "dropout",  # (input, p, train): the same positions as F.dropout's
     F.scaled_dot_product_attention: "sdpa",
     F.linear: "linear",
     torch.cat: "cat",
