@@ -292,8 +292,9 @@ def _unreadable(node: fx.Node) -> str:
     what = f"the graph input `{input_name(node)}`" if node.op == "placeholder" else \
         f"{describe(node)} ({node.name}, at {source_line(node)})"
     if shape(node) == ():
-        return (f"the mask's fill value is {what}, computed when the model runs: whether it hides a key exactly "
-                "cannot be checked (use -inf or torch.finfo(dtype).min)")
+        when = "which may change from call to call" if node.op == "placeholder" else "computed when the model runs"
+        return (f"the mask's fill value is {what}, {when}: whether it hides a key exactly cannot be checked (use "
+                "-inf or torch.finfo(dtype).min)")
     return (f"the attention mask adds {what}, a float tensor the pass cannot read as visible / hidden (e.g. a "
             "learned bias): the op has no bias input")
 

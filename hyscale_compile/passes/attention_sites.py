@@ -40,6 +40,10 @@ CONSTANT_TENSORS = {"ones": 1, "ones_like": 1, "new_ones": 1, "zeros": 0, "zeros
                     "full": None, "full_like": None, "new_full": None, "tensor": None}
 
 
+# meta key of the nodes attention_rewrite inserts: the source line of the attention they replace
+REWRITTEN_FROM = "hyscale_attention_rewritten_from"
+
+
 def same_shape(a, b) -> bool:
     """Two shapes provably equal (symbolic sizes compared without adding guards)."""
     return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
@@ -291,14 +295,24 @@ def mask_chain(scatter: fx.Node) -> tuple[set[fx.Node], fx.Node]:
                     todo.append(u)
             else:
                 what = "index mask" if n is scatter else "mask combining the index mask with the model's mask"
-                raise Reject(f"the {what} ({n.name}) is read by {describe(u)} at {source_line(u)}, so it must be "
-                             "built; attention is left dense", scatter)
+                raise Reject(f"the {what} ({n.name}) is read by {_reader(u)}, so it must be built; attention is "
+                             "left dense", scatter)
     if len(found) != 1:
         raise Reject("the index mask feeds no attention" if not found else
                      f"the index mask feeds {len(found)} attention calls (one sparse attention per mask is rewritten)",
                      scatter)
     chain.add(found[0])
     return chain, found[0]
+
+
+def _reader(u: fx.Node) -> str:
+    """Who reads a mask node, in the report: the model's op, or the sparse attention another site was rewritten
+    into (which reads a mask combined with its own index mask at its picks: ``~hidden1 & ~hidden2``)."""
+    line = u.meta.get(REWRITTEN_FROM)
+    if line is not None:
+        return (f"the sparse attention that replaced the attention at {line}, which reads it at its own picks (the "
+                "two index masks are combined)")
+    return f"{describe(u)} at {source_line(u)}"
 
 
 def _sdpa_mask(node: fx.Node):
