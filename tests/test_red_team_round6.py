@@ -506,3 +506,18 @@ def test_reasons_of_the_sweep(name, words):
     reports = check_compiled(SWEEP[name][0], _inputs(), grad=(0, 1, 2))
     assert any(r.decision == "rejected" and words in r.reason for r in _attention(reports)), \
         [r.reason for r in _attention(reports)]
+
+
+def test_mask_written_after_the_model_negated_it():
+    """``~causal & ~hidden`` is read as found (the keys after the diagonal, read at the picks): ``causal`` written
+    afterwards changes neither the model's ``~causal`` nor what the op reads. While this round's change was in review
+    a reading through the ``~`` that was tried and not taken still counted ``causal`` as read, and the write left
+    the site dense (slower, not wrong); only the reading taken counts now."""
+
+    def model(q, k, v, score):
+        causal = _causal()
+        mask = ~causal & ~_hidden(_picks(score))
+        causal.fill_(True)  # reused for something else
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), causal
+
+    assert _decisions(check_compiled(model, _inputs(), grad=(0, 1, 2))) == ["rewritten"]

@@ -341,7 +341,8 @@ def plan(site: Site) -> MaskPlan:
     found = list({id(t.node): t for t in expr.partners}.values())
     if len(found) > _MAX_PARTNERS:
         raise Reject(f"the attention mask combines {len(found)} masks with the index mask", site.scatter)
-    for partners in _polarities(expr, found):
+    for reading in _polarities(expr, found):
+        partners, through = reading
         table = _table(site, expr, partners)
         try:
             additive = _check_table(site, table)
@@ -351,6 +352,10 @@ def plan(site: Site) -> MaskPlan:
         break
     else:
         raise error
+    # what the evaluation read (the masks, and the operators between them and the model's mask, whose values it
+    # computed from them): checked for writes after they are made, like the rest of the mask
+    for t in partners + through:
+        expr.labels.setdefault(t.node, t.labels)
     out = MaskPlan(nodes=list(expr.labels))
     for t in partners:
         if t.node in expr.triangles:
@@ -378,8 +383,9 @@ def _table(site: Site, expr: _Expr, partners: list[Term]) -> dict:
 
 
 def _polarities(expr: _Expr, found: list[Term]):
-    """The partner masks to evaluate the mask over: as found, or a boolean combination of masks (``~causal``,
-    ``~causal | ~pad``) read through its ``~``, ``&`` and ``|`` down to the masks it combines.
+    """(the partner masks to evaluate the mask over, the operators read through to them): the masks as found, or
+    a boolean combination of masks (``~causal``, ``~causal | ~pad``) read through its ``~``, ``&`` and ``|`` down
+    to the masks it combines.
     ``~(~causal | hidden)`` (De Morgan's spelling of ``causal & ~hidden``) hides a key exactly where ``~causal``
     is True: as a function of ``~causal`` it is never "picked and visible", but as a function of ``causal`` it is.
     Every choice evaluates the same expression exactly (the operators are evaluated as written), so any choice
@@ -391,14 +397,11 @@ def _polarities(expr: _Expr, found: list[Term]):
         atoms = [t for reading, _ in choice for t in reading]
         through = [t for _, nodes in choice for t in nodes]
         terms = _merged(atoms, expr.labels)
-        if terms is None or _merged(through, expr.labels) is None or len(terms) > _MAX_PARTNERS or terms == found:
+        if terms is None or _merged(terms + through, expr.labels) is None or len(terms) > _MAX_PARTNERS or \
+                terms == found:
             continue
-        # what the evaluation read (the masks, and the operators between them and the model's mask, whose values
-        # it computed from them): checked for writes after they are made, like the rest of the mask
-        for t in terms + through:
-            expr.labels.setdefault(t.node, t.labels)
-        yield terms
-    yield found  # last: where no reading proves the mask, the reason describes the masks as the model wrote them
+        yield terms, through
+    yield found, []  # last: where no reading proves the mask, the reason describes the masks as the model wrote them
 
 
 def _readings(t: Term) -> list[tuple[list[Term], list[Term]]]:
