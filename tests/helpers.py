@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import fx
 
-from hyscale_compile.passes import selection
+from hyscale_compile.passes import report, selection
 from hyscale_compile.runtime.reference import order_key
 
 _topk = torch.topk
@@ -73,7 +73,7 @@ def captured(model, *args) -> tuple[list[str], list[str], list]:
 def rewritten_with_attention(model, *args) -> tuple[object, list[fx.GraphModule], list]:
     """(model's output, each Dynamo graph after the selection and attention passes, every report), the passes
     run as the backend does with ``options["attention"] = "always"`` and the graphs run eagerly."""
-    from hyscale_compile.passes import attention, report
+    from hyscale_compile.passes import attention
 
     graphs = []
 
@@ -86,3 +86,40 @@ def rewritten_with_attention(model, *args) -> tuple[object, list[fx.GraphModule]
     with report.collect() as reports:
         out = torch.compile(model, backend=backend)(*args)
     return out, graphs, reports
+
+
+TOL = dict(rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def check_compiled(fn, args, grad=(), compiler="eager", ties=False, backward=False, **tol):
+    """Compile ``fn`` with hyscale; assert its outputs, which outputs require grad, and the gradients of the
+    inputs at ``grad`` equal eager's (to ``TOL``, or the ``rtol`` / ``atol`` given); return the reports.
+    ``backward``: ``.backward()`` instead of autograd.grad (a reentrant checkpoint refuses the latter)."""
+
+    def run(f):
+        xs = [a.detach().clone().requires_grad_(i in grad) if a.is_floating_point() else a.clone()
+              for i, a in enumerate(args)]
+        out = flat(f(*xs))
+        leaves = [xs[i] for i in grad]
+        losses = [(o.float() * torch.linspace(-1, 2, o.numel()).view(o.shape)).sum() for o in out if o.requires_grad]
+        grads = []
+        if leaves and losses and backward:
+            sum(losses).backward()
+            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+        elif leaves and losses:
+            grads = list(torch.autograd.grad(sum(losses), leaves, allow_unused=True, materialize_grads=True))
+        return [o.detach() for o in out], grads, [o.requires_grad for o in out]
+
+    torch._dynamo.reset()
+    with report.collect() as reports:
+        got = run(torch.compile(fn, backend="hyscale", options={"compiler": compiler}))
+    if ties:
+        with ties_by_position():
+            want = run(fn)
+    else:
+        want = run(fn)
+    assert got[2] == want[2], f"requires_grad of the outputs: {got[2]} compiled, {want[2]} eager"
+    for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **{**TOL, **tol})
+    return reports

@@ -342,7 +342,7 @@ def test_indices_written_before_the_attention_are_rejected():
     _, args = da.make("sdpa_bool")
     _, _, reports = _captured(Mutated(), args)
     assert [r.decision for r in reports] == ["rejected"]
-    assert "zero_" in reports[0].reason and "after the model read it and before the attention" in reports[0].reason
+    assert "zero_" in reports[0].reason and "after it is made and before the attention" in reports[0].reason
 
 
 # ---------------------------------------------------------------------------------------------

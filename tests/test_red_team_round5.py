@@ -17,47 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
-from helpers import flat, ties_by_position
-
-from hyscale_compile.passes import report
+from helpers import TOL
+from helpers import check_compiled as _check
 
 NEG = float("-inf")
 MIN = torch.finfo(torch.float32).min
-TOL = dict(rtol=1e-4, atol=1e-5, equal_nan=True)
-
-
-def _check(fn, args, grad=(), compiler="eager", ties=False, backward=False):
-    """Compile ``fn`` with hyscale; assert its outputs, which outputs require grad, and the gradients of the
-    inputs at ``grad`` equal eager's; return the reports. ``backward``: ``.backward()`` instead of autograd.grad
-    (a reentrant checkpoint refuses the latter)."""
-
-    def run(f):
-        xs = [a.detach().clone().requires_grad_(i in grad) if a.is_floating_point() else a.clone()
-              for i, a in enumerate(args)]
-        out = flat(f(*xs))
-        leaves = [xs[i] for i in grad]
-        losses = [(o.float() * torch.linspace(-1, 2, o.numel()).view(o.shape)).sum() for o in out if o.requires_grad]
-        grads = []
-        if leaves and losses and backward:
-            sum(losses).backward()
-            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
-        elif leaves and losses:
-            grads = list(torch.autograd.grad(sum(losses), leaves, allow_unused=True, materialize_grads=True))
-        return [o.detach() for o in out], grads, [o.requires_grad for o in out]
-
-    torch._dynamo.reset()
-    with report.collect() as reports:
-        got = run(torch.compile(fn, backend="hyscale", options={"compiler": compiler}))
-    if ties:
-        with ties_by_position():
-            want = run(fn)
-    else:
-        want = run(fn)
-    assert got[2] == want[2], f"requires_grad of the outputs: {got[2]} compiled, {want[2]} eager"
-    for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        torch.testing.assert_close(a, b, **TOL)
-    return reports
 
 
 def _decisions(reports, kind):
@@ -429,9 +393,9 @@ def _gqa(form):
 
 
 ATTENTION_SPELLINGS = {
-    # the same mask as causal & ~hidden, but the pass reads ~causal as the model's mask and finds it negated: left
-    # alone (slower, not wrong)
-    "or_de_morgan": (_sdpa(lambda i: ~(~_causal() | _hidden(i))), "rejected"),
+    # the same mask as causal & ~hidden: rejected with a misleading "polarity" reason until round 6, which reads
+    # ~causal through its ~ (test_red_team_round6)
+    "or_de_morgan": (_sdpa(lambda i: ~(~_causal() | _hidden(i))), "rewritten"),
     "or_keeps_unpicked": (_sdpa(lambda i: _causal() | ~_hidden(i)), "rejected"),
     # the keys *after* the diagonal: a partner mask of its own (read at the picks), not the causal kind inverted
     "and_with_inverted_partner": (_sdpa(lambda i: ~_causal() & ~_hidden(i)), "rewritten"),

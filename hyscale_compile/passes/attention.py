@@ -232,9 +232,12 @@ def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan) -> None:
         reads.append((peeled, x.args[0].args[0]) if n > 1 else (x, at))
     found = _write_between(site, reads, set(site.chain))
     if found is not None:
-        n, x = found
-        raise Reject(f"{describe(n)} at {source_line(n)} may change {x.name} after the model read it and before the "
-                     "attention, where the op would read it", site.scatter)
+        n, x, at = found
+        # x read from its construction (a causal mask's arange comparison, a constant): a write anywhere after it
+        # is made changes what the model reads, not what the pass inferred
+        when = "after it is made" if at is x else "after the model read it"
+        raise Reject(f"{describe(n)} at {source_line(n)} may change {x.name} {when} and before the attention, where "
+                     "the op would read it as it was", site.scatter)
 
 
 def latent_write(site: sites_.Site, latent) -> str | None:
@@ -247,13 +250,13 @@ def latent_write(site: sites_.Site, latent) -> str | None:
     found = _write_between(site, reads, {*site.chain, *latent.copies})
     if found is None:
         return None
-    n, x = found
+    n, x, _ = found
     return (f"{describe(n)} at {source_line(n)} may change {x.name} between the expansion and the attention, where "
             "the latent layout would not see it")
 
 
-def _write_between(site: sites_.Site, reads, skip: set) -> tuple[fx.Node, fx.Node] | None:
-    """(a node that may write x, x) for the first write, before the attention, to a tensor x of reads (x, at)
+def _write_between(site: sites_.Site, reads, skip: set) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(a node that may write x, x, at) for the first write, before the attention, to a tensor x of reads (x, at)
     after its read at ``at``; None if there is none."""
     graph = site.scatter.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -268,7 +271,7 @@ def _write_between(site: sites_.Site, reads, skip: set) -> tuple[fx.Node, fx.Nod
         for x, at in reads:
             if isinstance(x, fx.Node) and order[n] > order[at] and (
                     targets is None or any(aliases.may_alias(t, x) for t in targets)):
-                return n, x
+                return n, x, at
     return None
 
 

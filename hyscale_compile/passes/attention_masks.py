@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from . import masks, positions
-from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, mask_op, same_shape
+from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, differ, mask_op
 from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Leaf, Reject
 from .legality import requires_grad
@@ -40,6 +40,7 @@ from .sites import describe
 
 DIMS = ("b", "h", "t", "s")  # the attention's [B, H, T, S]
 _MAX_PARTNERS = 4
+_MAX_READINGS = 64  # ways to read the partner masks (_polarities) tried at most
 
 # Which fills hide a key exactly. The op gives a hidden key no weight at all; the model's softmax (in fp32, or on
 # its 16-bit input upcast to fp32) gives it exp(x_h - m) / sum, with m the row's largest logit and x_h the hidden
@@ -206,10 +207,7 @@ class _Expr:
                 for a in node.all_input_nodes:
                     self._visit(a, _labels_for(labels, shape(node), a))
             return
-        what = f"the graph input `{input_name(node)}`" if node.op == "placeholder" else \
-            f"{describe(node)} ({node.name}, at {source_line(node)})"
-        raise Reject(f"the attention mask adds {what}, a float tensor the pass cannot read as visible / hidden (e.g. "
-                     "a learned bias): the op has no bias input", self.site.scatter)
+        raise Reject(_unreadable(node), self.site.scatter)
 
     def _check_scatter_labels(self, labels: tuple) -> None:
         if len(labels) < 2 or labels[-1] != "s" or labels[-2] not in ("t", None) or any(
@@ -282,6 +280,25 @@ class _Expr:
                      site.scatter)
 
 
+def _unreadable(node: fx.Node) -> str:
+    """Why a float operand of the mask is none the pass reads: a scalar is a fill or offset whose value is not
+    known when the graph is compiled; anything larger is a bias the op has no input for."""
+    src = node.args[0] if node.op == "call_method" and node.target == "item" and node.args else None
+    if isinstance(src, fx.Node) and src.op == "placeholder":
+        return (f"the mask's fill value is the graph input `{input_name(src)}`: a Python number Dynamo lifted to an "
+                "input (floats are under dynamic=True), whose value is not known when the graph is compiled, so "
+                "whether it hides a key cannot be checked; write the constant in the model (torch.finfo(dtype).min, "
+                "float('-inf')) or compile without dynamic=True")
+    what = f"the graph input `{input_name(node)}`" if node.op == "placeholder" else \
+        f"{describe(node)} ({node.name}, at {source_line(node)})"
+    if shape(node) == ():
+        when = "which may change from call to call" if node.op == "placeholder" else "computed when the model runs"
+        return (f"the mask's fill value is {what}, {when}: whether it hides a key exactly cannot be checked (use "
+                "-inf or torch.finfo(dtype).min)")
+    return (f"the attention mask adds {what}, a float tensor the pass cannot read as visible / hidden (e.g. a "
+            "learned bias): the op has no bias input")
+
+
 def _number(x) -> float | None:
     if isinstance(x, bool):
         return float(x)
@@ -321,18 +338,25 @@ def _add(a, b, subtract: bool, dt, node: fx.Node, scatter: fx.Node):
 def plan(site: Site) -> MaskPlan:
     _check_scatter_shape(site)
     expr = _Expr(site)
-    partners = list({id(t.node): t for t in expr.partners}.values())
-    if len(partners) > _MAX_PARTNERS:
-        raise Reject(f"the attention mask combines {len(partners)} masks with the index mask", site.scatter)
-    table = {}
-    for picked, *vs in itertools.product((False, True), repeat=len(partners) + 1):
-        env = {t.node: v for t, v in zip(partners, vs)}
-        v = expr.evaluate(picked, env)
-        if site.attention.kind == "sdpa" and isinstance(v, torch.Tensor):
-            v = v.to(site.attention.dtype)  # SDPA adds its float mask in its dtype (autocast casts the mask too)
-        table[(picked, *vs)] = v
+    found = list({id(t.node): t for t in expr.partners}.values())
+    if len(found) > _MAX_PARTNERS:
+        raise Reject(f"the attention mask combines {len(found)} masks with the index mask", site.scatter)
+    for reading in _polarities(expr, found):
+        partners, through = reading
+        table = _table(site, expr, partners)
+        try:
+            additive = _check_table(site, table)
+        except Reject as err:
+            error = err
+            continue
+        break
+    else:
+        raise error
+    # what the evaluation read (the masks, and the operators between them and the model's mask, whose values it
+    # computed from them): checked for writes after they are made, like the rest of the mask
+    for t in partners + through:
+        expr.labels.setdefault(t.node, t.labels)
     out = MaskPlan(nodes=list(expr.labels))
-    additive = _check_table(site, table)
     for t in partners:
         if t.node in expr.triangles:
             _triangle(site, expr.triangles[t.node], t.labels, out)
@@ -346,6 +370,87 @@ def plan(site: Site) -> MaskPlan:
     return out
 
 
+def _table(site: Site, expr: _Expr, partners: list[Term]) -> dict:
+    """The mask's value for every combination of picked and the partners' values."""
+    table = {}
+    for picked, *vs in itertools.product((False, True), repeat=len(partners) + 1):
+        env = {t.node: v for t, v in zip(partners, vs)}
+        v = expr.evaluate(picked, env)
+        if site.attention.kind == "sdpa" and isinstance(v, torch.Tensor):
+            v = v.to(site.attention.dtype)  # SDPA adds its float mask in its dtype (autocast casts the mask too)
+        table[(picked, *vs)] = v
+    return table
+
+
+def _polarities(expr: _Expr, found: list[Term]):
+    """(the partner masks to evaluate the mask over, the operators read through to them): the masks as found, or
+    a boolean combination of masks (``~causal``, ``~causal | ~pad``) read through its ``~``, ``&`` and ``|`` down
+    to the masks it combines.
+    ``~(~causal | hidden)`` (De Morgan's spelling of ``causal & ~hidden``) hides a key exactly where ``~causal``
+    is True: as a function of ``~causal`` it is never "picked and visible", but as a function of ``causal`` it is.
+    Every choice evaluates the same expression exactly (the operators are evaluated as written), so any choice
+    whose table checks out is a proof. The combinations are read through first, where the model's masks are then
+    position rules or key masks the op has an argument for; then as found (``~causal & ~hidden`` keeps the keys
+    after the diagonal: ``~causal`` is the mask, read at the picks). Duplicates are merged."""
+    options = [_readings(t) for t in found]
+    for choice in itertools.islice(itertools.product(*options), _MAX_READINGS):
+        atoms = [t for reading, _ in choice for t in reading]
+        through = [t for _, nodes in choice for t in nodes]
+        terms = _merged(atoms, expr.labels)
+        if terms is None or _merged(terms + through, expr.labels) is None or len(terms) > _MAX_PARTNERS or \
+                terms == found:
+            continue
+        yield terms, through
+    yield found, []  # last: where no reading proves the mask, the reason describes the masks as the model wrote them
+
+
+def _readings(t: Term) -> list[tuple[list[Term], list[Term]]]:
+    """The ways to read a partner mask, each (the masks read, the operators read through): through its boolean
+    operators down to at most 8, ..., 1 levels (``~(causal & pad)``: as ``causal``, ``pad``, where ``pad`` is
+    itself ``a | b``)."""
+    out = []
+    for levels in range(8, 0, -1):
+        through: list[Term] = []
+        atoms = _atoms(t.node, t.labels, levels, through)
+        if atoms is not None and [a.node for a in atoms] != [t.node] and \
+                all([a.node for a in atoms] != [o.node for o in other] for other, _ in out):
+            out.append((atoms, through))
+    return out
+
+
+def _atoms(node: fx.Node, labels: tuple, levels: int, through: list[Term]) -> list[Term] | None:
+    """The boolean masks an out-of-place ``~`` / ``&`` / ``|`` combination of boolean tensors reads, ``levels``
+    operators deep ([node] where it is none), each with its dims' labels; None where the combination reads
+    something else. The operators read through are appended to ``through``."""
+    name, inplace = mask_op(node)
+    if inplace or name not in ("invert", "and", "or") or levels == 0:
+        return [Term(node, labels)]
+    through.append(Term(node, labels))
+    out = []
+    for a in node.args[:1] if name == "invert" else node.args[:2]:
+        if isinstance(a, bool):
+            continue
+        if not isinstance(a, fx.Node) or dtype(a) != torch.bool:
+            return None
+        inner = _atoms(a, _labels_for(labels, shape(node), a), levels - 1, through)
+        if inner is None:
+            return None
+        out.extend(inner)
+    return out
+
+
+def _merged(terms: list[Term], labels: dict) -> list[Term] | None:
+    """The terms, each mask once; None where a mask is read with its dims in two roles (here or elsewhere in the
+    mask): the evaluation takes each mask as one value per (batch, head, query, key) position."""
+    out: dict[fx.Node, Term] = {}
+    for t in terms:
+        seen = out.get(t.node) or (Term(t.node, labels[t.node]) if t.node in labels else None)
+        if seen is not None and seen.labels != t.labels:
+            return None
+        out[t.node] = t
+    return list(out.values())
+
+
 def _check_scatter_shape(site: Site) -> None:
     sc, idx = shape(site.scatter), site.index_shape
     att = site.attention
@@ -353,11 +458,14 @@ def _check_scatter_shape(site: Site) -> None:
     B, T, S = sq[0], sq[2], sk[2]
     if sc is None or len(sc) not in (2, 3) or idx is None or len(idx) != len(sc):
         raise Reject("the index mask is not [batch, queries, keys]", site.scatter)
-    if not (same_size(sc[-1], S) and same_size(sc[-2], T) and (len(sc) == 2 or same_size(sc[0], B) or is_one(sc[0]))):
-        raise Reject(f"the index mask {list(sc)} does not match the attention's queries and keys ({T}, {S})",
-                     site.scatter)
-    if not same_shape(idx[:-1], sc[:-1]):
-        raise Reject("the scattered indices cover only part of the index mask's rows", site.scatter)
+    for what, a, b in (("keys", sc[-1], S), ("queries", sc[-2], T), ("batch", sc[0] if len(sc) == 3 else B, B)):
+        if not (same_size(a, b) or what == "batch" and is_one(a)):
+            raise Reject(f"the index mask {list(sc)} and the attention's {what} {differ(a, b)}", site.scatter)
+    for a, b in zip(idx[:-1], sc[:-1]):
+        if not same_size(a, b):  # scatter writes the index's rows only
+            raise Reject(f"the scattered indices {list(idx)} cover only part of the index mask's rows {list(sc)}"
+                         if isinstance(a, int) and isinstance(b, int) else
+                         f"the scattered indices' rows and the index mask's {differ(a, b)}", site.scatter)
 
 
 def _check_table(site: Site, table: dict) -> bool:

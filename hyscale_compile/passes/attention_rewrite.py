@@ -22,7 +22,7 @@ from torch import fx
 from . import masks
 from .attention_masks import MaskPlan, Term
 from .attention_mla import Latent
-from .attention_sites import Site, peel_repeat_kv, same_shape
+from .attention_sites import REWRITTEN_FROM, Site, peel_repeat_kv, same_shape
 from .graph_ops import (
     dtype,
     is_one,
@@ -30,8 +30,10 @@ from .graph_ops import (
     normalize_dim,
     op_name,
     own_copies,
+    record_values,
     same_size,
     shape,
+    source_line,
     value,
     writes_before_backward,
 )
@@ -67,6 +69,10 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
         for n in reversed([n for n in graph.nodes if n not in existing]):
             graph.erase_node(n)
         raise
+    record_values([n for n in graph.nodes if n not in existing])
+    for n in graph.nodes:
+        if n not in existing:  # for a later site's reasons: a mask read by this op, not by the model
+            n.meta[REWRITTEN_FROM] = source_line(att.node)
     for n in graph.nodes:
         if n not in existing:
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):

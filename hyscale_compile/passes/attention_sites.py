@@ -40,6 +40,10 @@ CONSTANT_TENSORS = {"ones": 1, "ones_like": 1, "new_ones": 1, "zeros": 0, "zeros
                     "full": None, "full_like": None, "new_full": None, "tensor": None}
 
 
+# meta key of the nodes attention_rewrite inserts: the source line of the attention they replace
+REWRITTEN_FROM = "hyscale_attention_rewritten_from"
+
+
 def same_shape(a, b) -> bool:
     """Two shapes provably equal (symbolic sizes compared without adding guards)."""
     return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
@@ -251,7 +255,23 @@ def _is_leading_slice(node: fx.Node) -> bool:
 def _check_range(selected_from, S, node: fx.Node) -> None:
     if selected_from is None or not same_size(selected_from, S):
         raise Reject(f"the indices were selected among {selected_from} keys and scattered along {S}: they are not "
-                     "provably in range", node)
+                     f"provably in range{_symbolic_hint(selected_from, S)}", node)
+
+
+def differ(a, b) -> str:
+    """Words for two sizes ``same_size`` could not prove equal: they differ, or are symbols it cannot compare."""
+    if isinstance(a, int) and isinstance(b, int):
+        return f"differ ({a} and {b})"
+    return f"are not provably equal ({a} and {b}){_symbolic_hint(a, b)}"
+
+
+def _symbolic_hint(a, b) -> str:
+    """Where a symbolic size is involved: Dynamo gives sizes separate symbols once they have changed independently
+    (a recompilation for new shapes), and the pass adds no guard; the model can state the equality itself."""
+    if a is None or b is None or isinstance(a, int) and isinstance(b, int):
+        return ""
+    return (" (Dynamo gave them separate symbols, e.g. after recompiling for new shapes, and the pass adds no "
+            "guards: torch._check(x.shape[i] == y.shape[j]) on the two sizes in the model proves them equal)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,14 +295,24 @@ def mask_chain(scatter: fx.Node) -> tuple[set[fx.Node], fx.Node]:
                     todo.append(u)
             else:
                 what = "index mask" if n is scatter else "mask combining the index mask with the model's mask"
-                raise Reject(f"the {what} ({n.name}) is read by {describe(u)} at {source_line(u)}, so it must be "
-                             "built; attention is left dense", scatter)
+                raise Reject(f"the {what} ({n.name}) is read by {_reader(u)}, so it must be built; attention is "
+                             "left dense", scatter)
     if len(found) != 1:
         raise Reject("the index mask feeds no attention" if not found else
                      f"the index mask feeds {len(found)} attention calls (one sparse attention per mask is rewritten)",
                      scatter)
     chain.add(found[0])
     return chain, found[0]
+
+
+def _reader(u: fx.Node) -> str:
+    """Who reads a mask node, in the report: the model's op, or the sparse attention another site was rewritten
+    into (which reads a mask combined with its own index mask at its picks: ``~hidden1 & ~hidden2``)."""
+    line = u.meta.get(REWRITTEN_FROM)
+    if line is not None:
+        return (f"the sparse attention that replaced the attention at {line}, which reads it at its own picks (the "
+                "two index masks are combined)")
+    return f"{describe(u)} at {source_line(u)}"
 
 
 def _sdpa_mask(node: fx.Node):
@@ -336,8 +366,10 @@ def _check_layout(q, k, v, node: fx.Node, gqa: bool = True) -> None:
     sq, sk, sv = shape(q), shape(k), shape(v)
     if any(s is None or len(s) != 4 for s in (sq, sk, sv)):
         raise Reject("the attention's q, k and v are not 4-D [batch, heads, sequence, features] tensors", node)
-    if not same_size(sk[2], sv[2]) or not same_size(sk[1], sv[1]) or not same_size(sk[3], sq[3]):
-        raise Reject("the attention's q, k and v shapes do not agree", node)
+    for what, a, b in (("keys' and values' lengths", sk[2], sv[2]), ("keys' and values' heads", sk[1], sv[1]),
+                       ("queries' and keys' features", sq[3], sk[3])):
+        if not same_size(a, b):
+            raise Reject(f"the attention's {what} {differ(a, b)}", node)
     for s in (sk, sv):
         if not (same_size(s[0], sq[0]) or is_one(s[0])):
             raise Reject("the keys' batch does not match the queries'", node)
@@ -370,7 +402,7 @@ def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
         if name in ("to", "float", "identity") and dtype(u) in (torch.float32, torch.bfloat16, torch.float16):
             nodes.append(u)
         elif name == "dropout":
-            p, training = arg(u, 1, "p", 0.5), arg(u, 2, "training", True)
+            p, training = arg(u, 1, "p", 0.5), arg(u, 2, "training", u.kwargs.get("train", True))  # torch.dropout's
             if isinstance(p, (int, float)) and p == 0:
                 how = "p=0"
             elif training is False:

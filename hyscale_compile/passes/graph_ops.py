@@ -88,6 +88,7 @@ _FUNCTIONS: dict[Any, str] = {
     torch.softmax: "softmax",
     F.softmax: "softmax",
     F.dropout: "dropout",
+    torch.dropout: "dropout",  # (input, p, train): the same positions as F.dropout's
     F.scaled_dot_product_attention: "sdpa",
     F.linear: "linear",
     torch.cat: "cat",
@@ -106,7 +107,9 @@ _METHODS: dict[str, str] = {
     "take_along_dim": "take_along_dim", "transpose": "transpose", "permute": "permute", "unsqueeze": "unsqueeze",
     "squeeze": "squeeze", "expand": "expand", "view": "reshape", "reshape": "reshape",
     "flatten": "reshape", "unflatten": "reshape", "float": "float", "to": "to",
-    "type": "to", "long": "to", "int": "to", "contiguous": "identity", "clone": "identity", "detach": "detach",
+    "type": "to", "long": "to", "int": "to", "half": "to", "bfloat16": "to", "double": "to", "bool": "to",
+    "type_as": "to",
+    "contiguous": "identity", "clone": "identity", "detach": "detach",
     "logical_not": "invert", "bitwise_not": "invert", "__invert__": "invert", "scatter": "scatter",
     "scatter_": "scatter", "scatter_add": "scatter", "scatter_add_": "scatter", "logical_and": "and",
     "bitwise_and": "and", "__and__": "and", "logical_or": "or", "le": "le", "lt": "lt", "ge": "ge", "gt": "gt",
@@ -227,6 +230,20 @@ def infer_value(node: Any, depth: int = 0) -> Any:
             return getattr(args[0], node.target)(*args[1:], **kwargs)
     except Exception:  # an op the fake tensors cannot run: the value stays unknown
         return None
+
+
+def record_values(nodes) -> None:
+    """Record the example value of each node a pass inserted (in graph order), as Dynamo records its own: a later
+    site of the same graph reads its operands' shapes, dtypes and requires_grad from them (a second attention whose
+    q is the first one's rewritten output). Computed on the graph's fake tensors in the grad mode where the node
+    runs; a node whose value cannot be computed is left without one."""
+    for n in nodes:
+        if value(n) is not None:
+            continue
+        with torch.set_grad_enabled(grad_enabled_at(n)):
+            v = infer_value(n)
+        if v is not None:
+            n.meta["example_value"] = v
 
 
 def shape(node: Any) -> tuple | None:
