@@ -80,7 +80,6 @@ DE_MORGAN = {  # each is causal & ~hidden (& pad), spelled with negations
     "double_negation": (lambda s: ~~_causal() & ~_hidden(_picks(s)), "causal"),
     "not_or_three": (lambda s: ~(~_causal() | ~_pad(s) | _hidden(_picks(s))), "causal + key mask"),
     "not_or_of_and": (lambda s: ~(~(_causal() & _pad(s)) | _hidden(_picks(s))), "causal + key mask"),
-    "additive_where_of_not": (lambda s: torch.where(~(~_causal() | _hidden(_picks(s))), 0.0, MIN), "causal"),
     # ~causal | hidden read as the model's mask: a partner of its own, read at the picks as before
     "and_with_inverted_partner": (lambda s: ~_causal() & ~_hidden(_picks(s)), "mask read at the picks"),
 }
@@ -96,6 +95,19 @@ def test_masks_spelled_with_negations(name):
     mask, kind = DE_MORGAN[name]
     (site,) = _attention(check_compiled(_sdpa(mask), _inputs(), grad=(0, 1, 2)))
     assert site.decision == "rewritten" and site.mask_kind == kind, (site.mask_kind, site.reason)
+
+
+def _additive_de_morgan(s):
+    return torch.where(~(~_causal() | _hidden(_picks(s))), 0.0, MIN)
+
+
+def test_additive_mask_spelled_with_negations():
+    """The same mask added to SDPA's scores: rewritten for inference; in training a row with no visible pick (picks
+    after the diagonal can empty one) has a gradient that depends on SDPA's kernel, so the site is left alone."""
+    (site,) = _attention(check_compiled(_sdpa(_additive_de_morgan), _inputs()))
+    assert site.decision == "rewritten" and site.mask_kind == "causal", (site.mask_kind, site.reason)
+    (site,) = _attention(check_compiled(_sdpa(_additive_de_morgan), _inputs(), grad=(0, 1, 2)))
+    assert site.decision == "rejected" and "kernel SDPA picks" in site.reason, site.reason
 
 
 def test_negated_mask_that_is_not_the_same_keeps_an_accurate_reason():
@@ -521,3 +533,55 @@ def test_mask_written_after_the_model_negated_it():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), causal
 
     assert _decisions(check_compiled(model, _inputs(), grad=(0, 1, 2))) == ["rewritten"]
+
+
+# ---------------------------------------------------------------------------------------------
+# found after the round: random boolean combinations of the causal mask (C), a key padding mask (P) and the index
+# mask (X, True at the keys not picked), as SDPA's boolean mask and added as where(mask, 0, finfo.min)
+
+
+def _random_mask(rng, depth: int, need_x: bool) -> str:
+    if depth == 0 or rng.random() < 0.3:
+        return rng.choice(["~X", "~X", "X"]) if need_x else rng.choice(["C", "P", "~C", "~P"])
+    op = rng.choice(["~", "&", "|", "&", "&"])
+    if op == "~":
+        return f"~({_random_mask(rng, depth - 1, need_x)})"
+    left = rng.random() < 0.5
+    return f"({_random_mask(rng, depth - 1, need_x and left)} {op} {_random_mask(rng, depth - 1, need_x and not left)})"
+
+
+def _random_masks(n: int, seed: int) -> list[str]:
+    rng, out = __import__("random").Random(seed), []
+    while len(out) < n:
+        e = _random_mask(rng, 3, True)
+        if "X" in e and e not in out:
+            out.append(e)
+    return out
+
+
+# Found after the round (a wrong gradient, also before it): ``where(~X & ~P, 0, finfo.min)`` as SDPA's mask, where
+# P empties whole rows. The op gave an empty row the mean of v, as SDPA does, and its gradient as eager attention
+# (the math kernel) differentiates it, weight 1/S a key; but SDPA's fused kernels, which ran, recompute the weights
+# from a logsumexp the fill absorbed and weigh every key 1: dq, dk and dv of those rows differed S-fold. Such a
+# site is left alone in training now (attention_masks._SDPA_EMPTY_GRAD); the sweep checks every expression, rewritten
+# or not, against eager (values and gradients).
+@pytest.mark.parametrize("additive", [False, True])
+@pytest.mark.parametrize("expr", _random_masks(10, seed=7))
+def test_random_mask_expressions_equal_eager(expr, additive):
+    comb = eval("lambda C, P, X: " + expr)  # noqa: S307  (the expressions above: C, P, X, ~, &, |)
+
+    def mask(s):
+        m = comb(_causal(), _pad(s), _hidden(_picks(s)))
+        return torch.where(m, 0.0, MIN) if additive else m
+
+    check_compiled(_sdpa(mask), _inputs(), grad=(0, 1, 2))
+
+
+def test_sdpa_added_fill_with_rows_that_empty_is_left_alone_in_training():
+    def mask(s):
+        return torch.where(~_hidden(_picks(s)) & _pad(s) & ~_pad(s).flip(0), 0.0, MIN)
+
+    (site,) = _attention(check_compiled(_sdpa(mask), _inputs(), grad=(0, 1, 2)))
+    assert site.decision == "rejected" and "kernel SDPA picks" in site.reason, site.reason
+    (site,) = _attention(check_compiled(_sdpa(mask), _inputs()))
+    assert site.decision == "rewritten", site.reason

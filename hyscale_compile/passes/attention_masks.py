@@ -495,6 +495,18 @@ def _check_table(site: Site, table: dict) -> bool:
     return True
 
 
+# SDPA's empty rows under an added fill: its forward is the mean of v on every backend, its gradient is not. The
+# math kernel differentiates the softmax of S equal scores (weight 1/S a key, as eager attention does); the fused
+# kernels (flash on the CPU, memory-efficient and cuDNN on CUDA) recompute the weights as exp(score - lse) from a
+# logsumexp the fill absorbed too (finfo.min + log S == finfo.min), so every key gets weight 1. Which one runs is
+# decided when the model runs (device, dtype, sizes, sdpa_kernel), so no single gradient is the model's.
+_SDPA_EMPTY_GRAD = (
+    "the mask adds {fill:g} to SDPA's scores and a query row may have no visible pick: SDPA gives such a row the mean "
+    "of v, but its gradient depends on the kernel SDPA picks when the model runs (the math kernel weighs every key "
+    "1/S; the fused kernels recompute the weights from a logsumexp the fill absorbed and weigh every key 1), so the "
+    "op cannot give the model's gradient; a boolean attn_mask (True = visible) has one answer for such rows")
+
+
 def _polarity_reason(site: Site, table: dict) -> str:
     picked_only = {k: v for k, v in table.items() if all(k[1:])}
     shown = ", ".join(f"{'picked' if k[0] else 'not picked'} -> {_show(v)}" for k, v in picked_only.items())
@@ -541,6 +553,8 @@ def _empty_rule(site: Site, table: dict, additive: bool, rows_can_be_empty: bool
         raise Reject(f"hidden keys get {fill:g} added to the score at some keys and in place of it at others: a row "
                      "with no visible pick sends gradient to q and k through the added ones only, which the op does "
                      "not reproduce; fill every hidden key the same way (all added, or all masked_fill)", site.scatter)
+    if att.kind == "sdpa" and requires_grad(att.node) and any(requires_grad(x) for x in (att.q, att.k, att.v)):
+        raise Reject(_SDPA_EMPTY_GRAD.format(fill=fill), site.scatter)
     out.empty = "mean"
     out.eager_empty_grad = all(added)
     out.notes.append(f"hidden keys are filled with {fill:g}: a row with no visible pick gives the mean of v over "
