@@ -69,15 +69,13 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
         for n in reversed([n for n in graph.nodes if n not in existing]):
             graph.erase_node(n)
         raise
-    record_values([n for n in graph.nodes if n not in existing])
-    for n in graph.nodes:
-        if n not in existing:  # for a later site's reasons: a mask read by this op, not by the model
-            n.meta[REWRITTEN_FROM] = source_line(att.node)
-    for n in graph.nodes:
-        if n not in existing:
-            for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-                if key in site.scatter.meta and key not in n.meta:
-                    n.meta[key] = site.scatter.meta[key]
+    inserted = [n for n in graph.nodes if n not in existing]
+    record_values(inserted)
+    for n in inserted:
+        n.meta[REWRITTEN_FROM] = source_line(att.node)  # for a later site's reasons: a mask this op reads
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in site.scatter.meta and key not in n.meta:
+                n.meta[key] = site.scatter.meta[key]
     if replaced is not None:
         replaced.replace_all_uses_with(out)
     else:
