@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..runtime import dispatch
+from ..runtime.kept import kept
 from ..runtime.reference import Visibility
 
 _QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -107,11 +108,7 @@ def check_inputs_once(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, *ot
     """check_inputs on real tensors, skipped where the same sizes, dtypes and devices passed before (what the
     checks read, and all they read): a decode step passes the same every call. Failures are not kept."""
     key = (k, *((t.shape, t.dtype, t.device) if t is not None else None for t in (q, kx, weights, *others)))
-    if key not in _PASSED:
-        check_inputs(q, kx, weights, k, *others)
-        if len(_PASSED) >= _PASSED_MAX:
-            _PASSED.pop(next(iter(_PASSED)))
-        _PASSED[key] = True
+    kept(_PASSED, key, lambda: check_inputs(q, kx, weights, k, *others) or True, _PASSED_MAX)
 
 
 _PASSED: dict[tuple, bool] = {}

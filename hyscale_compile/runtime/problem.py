@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import additive_causal, score_tile
 from .env import interpreting
+from .kept import kept
 from .reference import Visibility, order_key
 from .score_tile import TileConfig, act_kind, block_d, precision, tma_views
 
@@ -76,7 +77,7 @@ def _statics(tile: TileConfig, D: int, act: int, has_w: bool, prec: str, has_mas
     tile's fields among them: a decode step asks for the same ones every call, and building them is host work
     each call. Shared by the Problems of one key, so read only (the constexprs a read-only mapping)."""
     key = (tuple(tile.__dict__.values()), D, act, has_w, prec, has_mask, has_bias)
-    return _kept(_STATICS, key, lambda: _make_statics(tile, D, act, has_w, prec, has_mask, has_bias))
+    return kept(_STATICS, key, lambda: _make_statics(tile, D, act, has_w, prec, has_mask, has_bias), _KEPT_MAX)
 
 
 def _make_statics(tile, D, act, has_w, prec, has_mask, has_bias):
@@ -147,8 +148,8 @@ def _static_ranges(B: int, T: int, S: int, causal: bool, offset: int,
     the kernels that read it."""
     if _capturing(device):
         return _build_ranges(B, T, S, causal, offset, device, _new_zeros(B, T, device))
-    return _kept(_RANGES, (B, T, S, causal, offset, device, _stream(device)),
-                 lambda: _build_ranges(B, T, S, causal, offset, device, _zeros(B, T, device)))
+    return kept(_RANGES, (B, T, S, causal, offset, device, _stream(device)),
+                lambda: _build_ranges(B, T, S, causal, offset, device, _zeros(B, T, device)), _KEPT_MAX)
 
 
 def _build_ranges(B: int, T: int, S: int, causal: bool, offset: int, device: torch.device,
@@ -158,18 +159,6 @@ def _build_ranges(B: int, T: int, S: int, causal: bool, offset: int, device: tor
     first = offset + 1  # row t sees the keys below t + offset + 1
     hi = torch.arange(first, first + T, dtype=torch.int64, device=device).clamp_(0, S)
     return lo, hi.view(1, T) if B == 1 else hi.expand(B, T).contiguous()
-
-
-def _kept(cache: dict, key: tuple, make):
-    """cache[key], made on a miss; the oldest entry goes past _KEPT_MAX (decode steps grow the offset by one a
-    call: the newest are the ones asked for again)."""
-    got = cache.get(key)
-    if got is None:
-        got = make()
-        if len(cache) >= _KEPT_MAX:
-            cache.pop(next(iter(cache)))
-        cache[key] = got
-    return got
 
 
 _RANGES: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -182,7 +171,7 @@ _DUMMIES: dict[torch.device, Tensor] = {}
 def _zeros(B: int, T: int, device: torch.device) -> Tensor:
     """lo of every row without windows: zeros of [B, T] int64, kept per size (a decode step's offset changes
     every call, its row count does not). Read-only, as _static_ranges."""
-    return _kept(_ZEROS, (B, T, device, _stream(device)), lambda: _new_zeros(B, T, device))
+    return kept(_ZEROS, (B, T, device, _stream(device)), lambda: _new_zeros(B, T, device), _KEPT_MAX)
 
 
 def _new_zeros(B: int, T: int, device: torch.device) -> Tensor:
