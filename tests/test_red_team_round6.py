@@ -12,6 +12,8 @@ checks the decision the pass made and, where it matters, the reason. Tiny sizes:
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -551,7 +553,7 @@ def _random_mask(rng, depth: int, need_x: bool) -> str:
 
 
 def _random_masks(n: int, seed: int) -> list[str]:
-    rng, out = __import__("random").Random(seed), []
+    rng, out = random.Random(seed), []
     while len(out) < n:
         e = _random_mask(rng, 3, True)
         if "X" in e and e not in out:
