@@ -401,21 +401,12 @@ hyscale.empty_rows_like_eager(getitem, .transpose, .transpose, .transpose, getit
 .squeeze(.squeeze, 1)
 .expand(.squeeze, 2, 16)
 .transpose(cat, 1, 2)
-getitem(.transpose, [Ellipsis, slice(None, 16, None)])
-getitem(.transpose, [Ellipsis, slice(16, None, None)])
-.view(in, 4, 32, 16)
-getitem(.view, [slice(None, None, None), slice(None, 16, None)])
-einsum(bthn,hnc->bthc, getitem, getitem)
-cat([einsum, getitem], -1)
 .transpose(cat, 1, 2)
 .transpose(cat, 1, 2)
 cat([.transpose, .transpose], -1)
-hyscale.sparse_attention_latent(cat, cat, .long, 16, 0.204124, True, 0, None, .expand, zero)
-getitem(hyscale.sparse_attention_latent, 0)
 .view(in, 4, 32, 16)
-getitem(.view, [slice(None, None, None), slice(16, None, None)])
-einsum(bthc,hvc->bthv, getitem, getitem)
-.contiguous(einsum)""")
+hyscale.sparse_attention_mla(.transpose, cat, .view, .long, 16, 0.204124, True, 0, None, .expand, zero)
+getitem(hyscale.sparse_attention_mla, 0)""")
 
 
 def test_explain_lists_attention_sites():

@@ -236,3 +236,45 @@ def test_mla_rewrite_on_the_kernels_with_and_without_the_cache(cache):
     (site,) = [r for r in reports if r.kind == "attention"]
     assert site.decision == "rewritten" and site.layout.startswith("MLA latent"), site.reason
     close(got[0] + list(got[1]), want[0] + list(want[1]), tol=1e-3)
+
+
+def test_absorbed_mla_op_at_the_layer_sizes(monkeypatch):
+    """hyscale.sparse_attention_mla (the absorption inside the op, several blocks of rows) at DeepSeek-V3.2's head
+    sizes: the values and the gradients of q, kv and w of the graph ops it replaces (absorb, latent op, project),
+    and a backward peak below theirs by about the per-head latent tensors the graph ops keep and make whole."""
+    from hyscale_compile.runtime.sparse_attention import absorbed
+
+    H, Dn, Dr, Dc, Dv, S, T, K = 128, 128, 64, 512, 128, 4096, 2048, 512
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q = torch.randn(1, T, H, Dn + Dr, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(1, S, 1, Dc + Dr, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(H, Dn + Dv, Dc, device="cuda", generator=g) * 0.05).bfloat16()
+    _, _, _, idx, picks, _ = problem("mla", S, T, K=K, seed=21)
+    gout = torch.randn(1, T, H, Dv, device="cuda", generator=g).bfloat16()
+    args = (0.1, True, picks.offset, None, None, "zero")
+
+    def graph_ops(q, kv, w):
+        ql = torch.cat([torch.einsum("bthn,hnc->bthc", q[..., :Dn], w[:, :Dn]), q[..., Dn:]], -1)
+        lat, _ = torch.ops.hyscale.sparse_attention_latent(ql, kv, idx, Dc, *args)
+        return torch.einsum("bthc,hvc->bthv", lat, w[:, Dn:])
+
+    def op(q, kv, w):
+        return torch.ops.hyscale.sparse_attention_mla(q, kv, w, idx, Dn, *args)[0]
+
+    results, peaks = [], []
+    monkeypatch.setattr(absorbed, "ROWS_BYTES", 512 * H * (Dc + Dr) * 2)  # 4 blocks of 512 rows
+    for fn in (op, graph_ops):
+        leaves = [t.clone().requires_grad_() for t in (q, kv, w)]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn(*leaves)
+        (out * gout).sum().backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((out, *(t.grad for t in leaves)))
+    for a, b in zip(*results):
+        err = (a.float() - b.float()).norm() / b.float().norm()
+        assert err < 1e-2, err
+    latent_bytes = T * H * (Dc + Dr) * 2  # q' (and dq' alike) whole
+    assert peaks[0] < peaks[1] - latent_bytes, (peaks, latent_bytes)

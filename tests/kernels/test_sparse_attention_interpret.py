@@ -306,3 +306,27 @@ def test_latent_op_autograd_on_the_kernels():
     _same(results[0][:3], results[1][:3])  # same forward, same dq pass
     _close(results[0], results[1], 2e-5)
     _close(results[0], results[2], 2e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 64])
+def test_absorbed_mla_op_on_the_kernels(monkeypatch, rows):
+    """hyscale.sparse_attention_mla on the kernels (forced on the CPU), 3 rows a block and all at once: values, o' and
+    the gradients of q, kv and w as on the reference; kv's gradient summed in fp32 across the blocks."""
+    from hyscale_compile.runtime.sparse_attention import absorbed
+
+    B, T, S, H, Dn, Dr, Dc, Dv, K = 1, 7, 29, 4, 16, 8, 32, 16, 8
+    g = torch.Generator().manual_seed(11)
+    q, kv = torch.randn(B, T, H, Dn + Dr, generator=g), torch.randn(B, S, 1, Dc + Dr, generator=g)
+    w = torch.randn(H, Dn + Dv, Dc, generator=g) * 0.3
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(B * T)]).view(B, T, K)
+    gout = torch.randn(B, T, H, Dv, generator=g)
+    monkeypatch.setattr(absorbed, "ROWS_BYTES", rows * B * H * (Dc + Dr) * 4)
+    results = []
+    for backend in ("triton", "reference"):
+        leaves = [x.clone().to(DEVICE).requires_grad_() for x in (q, kv, w)]
+        with dispatch.force_backend(backend):
+            out, lse, lat = torch.ops.hyscale.sparse_attention_mla(*leaves, idx.to(DEVICE), Dn, 0.3, True, S - T - 2,
+                                                                    None, None, "mean")
+            (out * gout.to(DEVICE)).sum().backward()
+        results.append((out, lse, lat, *(x.grad for x in leaves)))
+    _close(results[0], results[1], 2e-5)

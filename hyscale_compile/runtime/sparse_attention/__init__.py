@@ -60,10 +60,12 @@ def attention_backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Ten
 
 
 def attention_backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor,
-                              indices: Tensor, scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor]:
-    """(dq, dkv) of the latent form (v = kv[..., :Dv]): dkv = dk with dv added into its first Dv columns."""
+                              indices: Tensor, scale: float, picks: Picks, empty: str,
+                              dkv_acc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(dq, dkv) of the latent form (v = kv[..., :Dv]): dkv = dk with dv added into its first Dv columns. With
+    ``dkv_acc`` ([B, S, G, Dqk] contiguous, ``compute_dtype(q)``), dkv is added into it and it is returned uncast."""
     if _triton(q):
         from . import backward
 
-        return backward.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty)
-    return naive.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty)
+        return backward.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty, dkv_acc)
+    return naive.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty, dkv_acc)

@@ -404,21 +404,29 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 
 
 def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor, indices: Tensor,
-                    scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor]:
+                    scale: float, picks: Picks, empty: str, dkv_acc: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dq, dkv) in the inputs' dtypes, v being kv[..., :Dv] (contract: ``naive.backward_latent``): dkv = dk with
     dv added into its first Dv columns, each pick's contribution summed (ds^T q scale + p^T dout) before it is
-    stored, so the buffer holds Dqk floats a pick instead of Dqk + Dv."""
+    stored, so the buffer holds Dqk floats a pick instead of Dqk + Dv.
+
+    ``dkv_acc`` (fp32 [B, S, G, Dqk], contiguous): kv's gradient is added into it (and returned, in fp32), so that
+    a caller running the query rows in blocks sums it in fp32 across them; each key still adds its picks in (row,
+    pick) order, so the bits are those of one call over all the rows."""
     B, T, H, Dqk = q.shape
     S, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
     dq = torch.zeros(B, T, H, Dqk, dtype=q.dtype, device=q.device)  # the kernels round their fp32 sums once
-    acc = torch.zeros(B * S, G * Dqk, dtype=torch.float32, device=q.device)
+    if dkv_acc is None:
+        acc = torch.zeros(B * S, G * Dqk, dtype=torch.float32, device=q.device)
+    else:
+        assert dkv_acc.dtype == torch.float32 and dkv_acc.is_contiguous() and dkv_acc.shape == (B, S, G, Dqk)
+        acc = dkv_acc.view(B * S, G * Dqk)
     kv = common.last_dim_unit(kv)
     if B * T * H > 0 and K > 0 and S > 0:
         _run(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, dq, acc, fold=True)
     dkv = acc.view(B, S, G, Dqk)
     if empty == "mean":
         add_mean_grad(dkv[..., :Dv], dout, lse)
-    return dq, dkv.to(kv.dtype)
+    return dq, (dkv if dkv_acc is not None else dkv.to(kv.dtype))
 
 
 def contrib_heads(HG: int, dtype: torch.dtype) -> int:

@@ -141,9 +141,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, pick
 
 
 def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, indices: Tensor,
-             scale: float, picks: Picks, empty: str, fold: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+             scale: float, picks: Picks, empty: str, fold: bool = False,
+             dkv_acc: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv) in the inputs' dtypes. delta [B, T, H] = rowsum(dout * out) - dlse. ``fold``
-    (``backward_latent``): dv added into dk's first Dv columns, None for dv.
+    (``backward_latent``): dv added into dk's first Dv columns, None for dv; with ``dkv_acc`` ([B, S, G, Dqk] in
+    the compute dtype) that sum is added into it and it is returned in place of dk.
 
     p = exp(scale * q.k - lse), dp = dout . v, ds = p * (dp - delta); dq = scale * ds @ k,
     dk = scale * ds^T @ q, dv = p^T @ dout over the kept picks; index_add_ is deterministic on the CPU.
@@ -175,13 +177,18 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
         add_mean_grad(dv, dout, lse)
     if fold:
         dk[..., :Dv] += dv.view(B * S, G, Dv)
+        if dkv_acc is not None:
+            dkv_acc += dk.view(B, S, G, Dqk)
+            return dq.to(q.dtype), dkv_acc, None
         return dq.to(q.dtype), dk.view(B, S, G, Dqk).to(k.dtype), None
     return dq.to(q.dtype), dk.view(B, S, G, Dqk).to(k.dtype), dv.to(v.dtype)
 
 
 def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor, indices: Tensor,
-                    scale: float, picks: Picks, empty: str) -> tuple[Tensor, Tensor]:
+                    scale: float, picks: Picks, empty: str, dkv_acc: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dq, dkv) of the latent form, v = kv[..., :Dv]: dkv is the whole gradient of kv, dk with dv added into its
-    first Dv columns (in fp32, before the cast to kv's dtype)."""
-    dq, dkv, _ = backward(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, empty, fold=True)
+    first Dv columns (in fp32, before the cast to kv's dtype); with ``dkv_acc`` (compute dtype) added into it
+    instead, uncast (for a caller that runs the query rows in blocks)."""
+    dq, dkv, _ = backward(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, empty, fold=True,
+                          dkv_acc=dkv_acc)
     return dq, dkv

@@ -1,0 +1,109 @@
+"""``hyscale::sparse_attention_mla``: absorbed MLA attention over the selected keys, the absorption inside the op.
+
+    sparse_attention_mla(q [B, T, H, Dn + Dr], kv [B, S, 1, Dc + Dr], w [H, Dn + Dv, Dc], indices [B, T, K],
+                         nope_dim (= Dn), scale, causal, offset, offsets, key_mask, empty)
+        -> (out [B, T, H, Dv], lse [B, T, H] fp32, o' [B, T, H, Dc])
+
+is, per head h (w_uk = w[:, :Dn], w_uv = w[:, Dn:]; the MLA up-projection ``kv_b_proj.weight`` viewed per head)::
+
+    q' = cat(q[..., :Dn] @ w_uk[h], q[..., Dn:])
+    o', lse = sparse_attention_latent(q', kv, indices, value_dim=Dc, ...)
+    out = o' @ w_uv[h]^T
+
+The attention pass emitted those three steps as graph ops; autograd then kept q' for the backward and the
+backward made dq' and do' whole, which were most of the layer's peak memory at long contexts. This op runs them a
+block of query rows at a time (``runtime/sparse_attention/absorbed.py``): q' is recomputed in the backward a block
+at a time, and only o' (which w_uv's gradient needs) is kept, as the op's third output. Picks, the causal rule, the
+key mask and empty rows as ``sparse_attention`` (lowering/attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..runtime.sparse_attention import Picks, absorbed
+from .attention import check_attention_inputs, without_autocast
+
+_NAME = "hyscale.sparse_attention_mla"
+
+
+def _require(cond, msg: str) -> None:
+    torch._check(cond, lambda: msg)
+
+
+def check_mla_inputs(q: Tensor, kv: Tensor, w: Tensor, indices: Tensor, nope_dim: int, offsets: Tensor | None,
+                     key_mask: Tensor | None, empty: str) -> None:
+    """The absorbed layout's own shape rules, then the attention's (on q' as a view: nothing is allocated)."""
+    _require(q.dim() == 4, f"{_NAME}: q must be [B, T, H, Dn + Dr], got {q.dim()} dims {tuple(q.shape)}")
+    _require(w.dim() == 3, f"{_NAME}: w must be [H, Dn + Dv, Dc] (kv_b_proj.weight per head), got {w.dim()} dims "
+             f"{tuple(w.shape)}")
+    _require(kv.dim() == 4, f"{_NAME}: kv must be [B, S, 1, Dc + Dr], got {kv.dim()} dims {tuple(kv.shape)}")
+    H, Dqk = q.shape[2], q.shape[3]
+    _require(1 <= nope_dim and nope_dim < Dqk, f"{_NAME}: nope_dim {nope_dim} must be in [1, q's features {Dqk})")
+    _require(nope_dim < w.shape[1], f"{_NAME}: nope_dim {nope_dim} leaves w (dim 1 = {w.shape[1]}) no value rows")
+    _require(w.shape[0] == H, f"{_NAME}: w must have q's {H} heads in dim 0, got {tuple(w.shape)}")
+    _require(kv.shape[2] == 1, f"{_NAME}: kv must have one latent row a key (dim 2 = 1), got {tuple(kv.shape)}")
+    Dc, Dr = w.shape[2], Dqk - nope_dim
+    _require(kv.shape[3] == Dc + Dr, f"{_NAME}: kv's features {kv.shape[3]} != the latent {Dc} (w's dim 2) + q's "
+             f"rope part {Dr}")
+    _require(w.dtype == q.dtype, f"{_NAME}: w must have q's dtype {q.dtype}, got {w.dtype}")
+    _require(w.device == q.device, f"{_NAME}: w is on {w.device}, q on {q.device}")
+    q_latent = q[..., :1].expand(*q.shape[:3], Dc + Dr)
+    check_attention_inputs(q_latent, kv, kv[..., :Dc], indices, offsets, key_mask, empty)
+
+
+@torch.library.custom_op(_NAME.replace(".", "::"), mutates_args=())
+def sparse_attention_mla(q: Tensor, kv: Tensor, w: Tensor, indices: Tensor, nope_dim: int, scale: float,
+                         causal: bool, offset: int, offsets: Tensor | None, key_mask: Tensor | None, empty: str
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    check_mla_inputs(q, kv, w, indices, nope_dim, offsets, key_mask, empty)
+    picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
+    with without_autocast(q.device):
+        return absorbed.forward(q, kv, w, nope_dim, indices, scale, picks, empty)
+
+
+@sparse_attention_mla.register_fake
+def _(q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty):
+    check_mla_inputs(q, kv, w, indices, nope_dim, offsets, key_mask, empty)
+    B, T, H = q.shape[0], q.shape[1], q.shape[2]
+    return (q.new_empty((B, T, H, w.shape[1] - nope_dim)), q.new_empty((B, T, H), dtype=torch.float32),
+            q.new_empty((B, T, H, w.shape[2])))
+
+
+@torch.library.custom_op("hyscale::sparse_attention_mla_backward", mutates_args=())
+def sparse_attention_mla_backward(grad_out: Tensor, grad_lse: Tensor | None, grad_latent: Tensor | None, q: Tensor,
+                                  kv: Tensor, w: Tensor, latent: Tensor, lse: Tensor, indices: Tensor, nope_dim: int,
+                                  scale: float, causal: bool, offset: int, offsets: Tensor | None,
+                                  key_mask: Tensor | None, empty: str) -> tuple[Tensor, Tensor, Tensor]:
+    picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
+    with without_autocast(q.device):
+        return absorbed.backward(grad_out, grad_lse, grad_latent, q, kv, w, nope_dim, latent, lse, indices, scale,
+                                 picks, empty)
+
+
+@sparse_attention_mla_backward.register_fake
+def _(grad_out, grad_lse, grad_latent, q, kv, w, latent, lse, indices, nope_dim, scale, causal, offset, offsets,
+      key_mask, empty):
+    return q.new_empty(q.shape), kv.new_empty(kv.shape), w.new_empty(w.shape)
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty = inputs
+    _, lse, latent = output
+    ctx.save_for_backward(q, kv, w, latent, lse, indices, offsets, key_mask)
+    ctx.args = (nope_dim, scale, causal, offset, empty)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_latent):
+    q, kv, w, latent, lse, indices, offsets, key_mask = ctx.saved_tensors
+    nope_dim, scale, causal, offset, empty = ctx.args
+    if grad_out is None:
+        grad_out = q.new_zeros((*q.shape[:3], w.shape[1] - nope_dim))
+    dq, dkv, dw = torch.ops.hyscale.sparse_attention_mla_backward(
+        grad_out, grad_lse, grad_latent, q, kv, w, latent, lse, indices, nope_dim, scale, causal, offset, offsets,
+        key_mask, empty)
+    return dq, dkv, dw, None, None, None, None, None, None, None, None
+
+
+sparse_attention_mla.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,108 @@
+"""Absorbed MLA attention a block of query rows at a time: the per-head latent tensors never exist whole.
+
+The latent form of MLA attention (``passes/attention_mla.py`` derives it) is, per head h, with q = [q_nope,
+q_rope] [B, T, H, Dn + Dr], kv = [c, r] [B, S, 1, Dc + Dr] and the up-projection w [H, Dn + Dv, Dc]
+(w_uk = w[:, :Dn], w_uv = w[:, Dn:]):
+
+    q' = [q_nope w_uk[h], q_rope]                          [B, T, H, Dc + Dr]
+    o', lse = sparse_attention_latent(q', kv, Dc)          [B, T, H, Dc]
+    out = o' w_uv[h]^T                                     [B, T, H, Dv]
+
+Written as graph ops, autograd keeps q' for the backward and the backward makes dq' and do' = dout w_uv whole:
+at DeepSeek-V3.2's sizes (128 heads, 576 / 512 features) that is 9.7 + 9.7 + 8.6 GB at T = 65536, most of the
+layer step's peak. Here the same operations run ROWS_BYTES of q' at a time, forward and backward; the backward
+recomputes q' a block at a time (one GEMM), and kv's gradient is summed in fp32 across blocks by the latent
+backward itself (the same bits as one call: each key adds its picks in row order). o' is kept: w_uv's gradient
+is sum_t o'[t]^T dout[t] per head, and recomputing o' would be a second attention forward.
+
+Each block runs the ops the graph ran for its rows, in the same dtypes (the absorption GEMMs in the inputs'
+dtype, the attention as ``sparse_attention_latent``): the values are the graph's, up to the GEMM library's
+choice of kernel. The weight's gradient sums the blocks' products in fp32 and rounds once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from . import attention, attention_backward_latent, row_delta
+from .naive import Picks, compute_dtype
+
+# Bytes of q' per block of query rows (its dq', do' and o' blocks are about as large).
+ROWS_BYTES = 1 << 29
+
+
+def block_rows(q: Tensor, kv: Tensor) -> int:
+    B, T, H = q.shape[0], q.shape[1], q.shape[2]
+    return max(1, min(max(T, 1), ROWS_BYTES // max(1, B * H * kv.shape[-1] * q.element_size())))
+
+
+def _shifted(picks: Picks, t0: int) -> Picks:
+    """The picks rule of rows t0.. run as rows 0..: a causal limit t + offset becomes (t - t0) + offset + t0."""
+    return dataclasses.replace(picks, offset=picks.offset + t0)
+
+
+def _latent_q(q: Tensor, w: Tensor, Dn: int) -> Tensor:
+    return torch.cat([torch.einsum("bthn,hnc->bthc", q[..., :Dn], w[:, :Dn]), q[..., Dn:]], -1)
+
+
+def forward(q: Tensor, kv: Tensor, w: Tensor, Dn: int, indices: Tensor, scale: float, picks: Picks,
+            empty: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [B, T, H, Dv], lse [B, T, H] fp32, o' [B, T, H, Dc]), out and o' in q's dtype."""
+    B, T, H = q.shape[0], q.shape[1], q.shape[2]
+    Dc = w.shape[2]
+    out = q.new_empty(B, T, H, w.shape[1] - Dn)
+    lat = q.new_empty(B, T, H, Dc)
+    lse = torch.empty(B, T, H, dtype=torch.float32 if compute_dtype(q) == torch.float32 else compute_dtype(q),
+                      device=q.device)
+    step = block_rows(q, kv)
+    for t0 in range(0, T, step):
+        rows = slice(t0, min(T, t0 + step))
+        o, m = attention(_latent_q(q[:, rows], w, Dn), kv, kv[..., :Dc], indices[:, rows], scale,
+                         _shifted(picks, t0), empty)
+        lat[:, rows], lse[:, rows] = o, m
+        out[:, rows] = torch.einsum("bthc,hvc->bthv", o, w[:, Dn:])
+    return out, lse, lat
+
+
+def _add_products(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc [H, X, Y] (fp32) += sum over rows of a^T b per head, a [B, R, H, X], b [B, R, H, Y] 16-bit or fp32:
+    the products and their sum in fp32 (cuBLAS's fp32-output GEMM for 16-bit inputs, an fp32 GEMM otherwise)."""
+    H = a.shape[2]
+    a = a.permute(2, 3, 0, 1).reshape(H, a.shape[3], -1)
+    b = b.permute(2, 0, 1, 3).reshape(H, -1, b.shape[3])
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        acc += torch.bmm(a, b, out_dtype=acc.dtype)
+    else:
+        acc.baddbmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def backward(dout: Tensor, dlse: Tensor | None, dlat: Tensor | None, q: Tensor, kv: Tensor, w: Tensor, Dn: int,
+             lat: Tensor, lse: Tensor, indices: Tensor, scale: float, picks: Picks,
+             empty: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dkv, dw) in the inputs' dtypes, from the gradients of out, lse and o' (either of the last two may be
+    None)."""
+    T, H = q.shape[1], q.shape[2]
+    Dc = w.shape[2]
+    ct = compute_dtype(q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=ct, device=q.device)
+    dw_uk = torch.zeros(H, Dn, Dc, dtype=ct, device=q.device)
+    dw_uv = torch.zeros(H, w.shape[1] - Dn, Dc, dtype=ct, device=q.device)
+    step = block_rows(q, kv)
+    for t0 in range(0, T, step):
+        rows = slice(t0, min(T, t0 + step))
+        do = dout[:, rows]
+        dl = torch.einsum("bthv,hvc->bthc", do, w[:, Dn:])
+        if dlat is not None:
+            dl = dl + dlat[:, rows]
+        delta = row_delta(dl, lat[:, rows], None if dlse is None else dlse[:, rows])
+        dql, _ = attention_backward_latent(dl, delta, _latent_q(q[:, rows], w, Dn), kv, Dc, lse[:, rows],
+                                           indices[:, rows], scale, _shifted(picks, t0), empty, dkv_acc=dkv)
+        dq[:, rows, :, :Dn] = torch.einsum("bthc,hnc->bthn", dql[..., :Dc], w[:, :Dn])
+        dq[:, rows, :, Dn:] = dql[..., Dc:]
+        _add_products(dw_uk, q[:, rows, :, :Dn], dql[..., :Dc])
+        _add_products(dw_uv, do, lat[:, rows])
+    return dq, dkv.to(kv.dtype), torch.cat([dw_uk, dw_uv], 1).to(w.dtype)

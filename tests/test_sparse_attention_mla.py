@@ -1,0 +1,152 @@
+"""``hyscale::sparse_attention_mla``: the absorbed MLA attention with the absorption inside the op, a block of query
+rows at a time. Oracle: the same three steps as graph ops (the attention pass's emission before this op), whose
+latent attention is tested against dense attention in test_sparse_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sparse_attention_cases import finite
+
+from hyscale_compile.runtime.sparse_attention import absorbed
+
+Dn, Dr, Dc, Dv = 16, 8, 32, 16
+
+
+def _problem(B=2, T=11, S=23, H=4, K=7, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, Dn + Dr, generator=g).to(dtype)
+    kv = torch.randn(B, S, 1, Dc + Dr, generator=g).to(dtype)
+    w = (torch.randn(H, Dn + Dv, Dc, generator=g) * 0.3).to(dtype)
+    idx = torch.stack([torch.randperm(S + 4, generator=g)[:K] - 2 for _ in range(B * T)]).view(B, T, K)
+    gout = torch.randn(B, T, H, Dv, generator=g).to(dtype)
+    glse = torch.randn(B, T, H, generator=g)
+    return q, kv, w, idx, gout, glse
+
+
+def _graph_ops(q, kv, w, idx, scale, causal, offset, offsets, key_mask, empty):
+    """What the attention pass emitted before the op: absorb, latent attention, project."""
+    ql = torch.cat([torch.einsum("bthn,hnc->bthc", q[..., :Dn], w[:, :Dn]), q[..., Dn:]], -1)
+    lat, lse = torch.ops.hyscale.sparse_attention_latent(ql, kv, idx, Dc, scale, causal, offset, offsets, key_mask,
+                                                         empty)
+    return torch.einsum("bthc,hvc->bthv", lat, w[:, Dn:]), lse, lat
+
+
+def _values_and_grads(fn, q, kv, w, idx, gout, glse, *args):
+    leaves = [x.clone().requires_grad_() for x in (q, kv, w)]
+    out, lse, lat = fn(*leaves, idx, *args)
+    ((out * gout).sum() + (finite(lse) * glse).sum()).backward()
+    return (out, lse, lat, *(x.grad for x in leaves))
+
+
+def _close(got, want, tol):
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(finite(a).double(), finite(b).double(), rtol=tol, atol=tol)
+
+
+VISIBILITY = {
+    "causal": (True, 12, None, False),
+    "few_visible": (True, -3, None, False),  # rows with no visible pick: empty rows
+    "offsets": (True, 0, "tensor", False),
+    "key_mask": (True, 12, None, True),
+    "none": (False, 0, None, False),
+}
+
+
+@pytest.mark.parametrize("empty", ["zero", "mean"])
+@pytest.mark.parametrize("name", sorted(VISIBILITY))
+@pytest.mark.parametrize("rows", [1, 4, 100])  # rows a block: 1, uneven blocks, all rows at once
+def test_op_equals_the_graph_ops(monkeypatch, name, empty, rows):
+    """Values, lse, o' and the gradients of q, kv and w equal the graph ops' for any block of rows, with rows that
+    have no visible pick, per-batch offsets and a key mask."""
+    q, kv, w, idx, gout, glse = _problem(seed=rows)
+    causal, offset, offsets, key_mask = VISIBILITY[name]
+    if offsets == "tensor":
+        offsets = torch.tensor([12, -4])
+    if key_mask:
+        key_mask = torch.rand(q.shape[0], kv.shape[1], generator=torch.Generator().manual_seed(3)) > 0.3
+    else:
+        key_mask = None
+    args = (0.3, causal, offset, offsets, key_mask, empty)
+    monkeypatch.setattr(absorbed, "ROWS_BYTES", rows * q.shape[0] * q.shape[2] * (Dc + Dr) * q.element_size())
+    got = _values_and_grads(lambda q, kv, w, idx, *a: torch.ops.hyscale.sparse_attention_mla(q, kv, w, idx, Dn, *a),
+                            q, kv, w, idx, gout, glse, *args)
+    want = _values_and_grads(_graph_ops, q, kv, w, idx, gout, glse, *args)
+    _close(got, want, 1e-5)
+
+
+def test_bf16_equals_the_graph_ops():
+    """16-bit inputs: the same roundings as the graph ops (q' and out rounded to bf16, w's gradient rounded once)."""
+    q, kv, w, idx, gout, glse = _problem(dtype=torch.bfloat16)
+    args = (0.3, True, 12, None, None, "zero")
+    got = _values_and_grads(lambda q, kv, w, idx, *a: torch.ops.hyscale.sparse_attention_mla(q, kv, w, idx, Dn, *a),
+                            q, kv, w, idx, gout, glse, *args)
+    want = _values_and_grads(_graph_ops, q, kv, w, idx, gout, glse, *args)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(finite(a).float(), finite(b).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_gradient_of_the_latent_output():
+    """o' is an output too: a gradient through it (not what the pass's graph takes, but the op's contract) reaches
+    q, kv and w as through the graph ops."""
+    q, kv, w, idx, _, _ = _problem()
+    args = (0.3, True, 12, None, None, "zero")
+    g = torch.randn(q.shape[0], q.shape[1], q.shape[2], Dc, generator=torch.Generator().manual_seed(9))
+    grads = []
+    for fn in (lambda q, kv, w, *a: torch.ops.hyscale.sparse_attention_mla(q, kv, w, idx, Dn, *a),
+               lambda q, kv, w, *a: _graph_ops(q, kv, w, idx, *a)):
+        leaves = [x.clone().requires_grad_() for x in (q, kv, w)]
+        out, _, lat = fn(*leaves, *args)
+        (out.sum() + (lat * g).sum()).backward()
+        grads.append([x.grad for x in leaves])
+    _close(grads[0], grads[1], 1e-5)
+
+
+def test_under_torch_compile_with_dynamic_sizes():
+    def fn(q, kv, w, idx):
+        out, lse, _ = torch.ops.hyscale.sparse_attention_mla(q, kv, w, idx, Dn, 0.3, True, 12, None, None, "zero")
+        return out.sum(-1) * 2 + finite(lse)
+
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
+    for T in (5, 7):
+        q, kv, w, idx, _, _ = _problem(T=T, seed=T)
+        grads = []
+        for f in (compiled, fn):
+            leaves = [x.clone().requires_grad_() for x in (q, kv, w)]
+            y = f(*leaves, idx)
+            y.sum().backward()
+            grads.append((y, *(x.grad for x in leaves)))
+        _close(grads[0], grads[1], 1e-6)
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, kv = torch.empty(2, 9, 8, 192, dtype=torch.bfloat16), torch.empty(2, 40, 1, 576, dtype=torch.bfloat16)
+        w, idx = torch.empty(8, 256, 512, dtype=torch.bfloat16), torch.empty(2, 9, 16, dtype=torch.int32)
+        out, lse, lat = torch.ops.hyscale.sparse_attention_mla(q, kv, w, idx, 128, 0.1, True, 0, None, None, "zero")
+        assert out.shape == (2, 9, 8, 128) and lse.shape == (2, 9, 8) and lat.shape == (2, 9, 8, 512)
+        assert lse.dtype == torch.float32 and out.dtype == lat.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(nope_dim=0), "nope_dim 0 must be in"),
+    (dict(nope_dim=Dn + Dr), "nope_dim 24 must be in"),
+    (dict(w=torch.zeros(3, Dn + Dv, Dc)), "w must have q's 4 heads"),
+    (dict(w=torch.zeros(4, Dn + Dv)), "w must be \\[H, Dn \\+ Dv, Dc\\]"),
+    (dict(w=torch.zeros(4, Dn + Dv, Dc, dtype=torch.bfloat16)), "w must have q's dtype"),
+    (dict(kv=torch.zeros(2, 23, 2, Dc + Dr)), "one latent row a key"),
+    (dict(kv=torch.zeros(2, 23, 1, Dc + Dr + 1)), "kv's features 41 != the latent 32"),
+    (dict(idx=torch.zeros(2, 11, 3)), "indices must be int32 or int64"),
+])
+def test_argument_errors_name_the_argument(bad, match):
+    q, kv, w, idx, _, _ = _problem()
+    args = dict(q=q, kv=kv, w=w, idx=idx, nope_dim=Dn)
+    args.update(bad)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.hyscale.sparse_attention_mla(args["q"], args["kv"], args["w"], args["idx"], args["nope_dim"], 0.3,
+                                               True, 0, None, None, "zero")
