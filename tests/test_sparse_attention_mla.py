@@ -150,3 +150,27 @@ def test_argument_errors_name_the_argument(bad, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.hyscale.sparse_attention_mla(args["q"], args["kv"], args["w"], args["idx"], args["nope_dim"], 0.3,
                                                True, 0, None, None, "zero")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_no_zero_gradient_is_made_for_the_kept_outputs(monkeypatch, compiled):
+    """Where only out is read (the pass's graph), the backward gets None for o' and lse, not zeros the size of o',
+    eagerly and in AOTAutograd's traced backward."""
+    seen = []
+    real = absorbed.backward
+
+    def spy(dout, dlse, dlat, *args):
+        seen.append((dlse, dlat))
+        return real(dout, dlse, dlat, *args)
+
+    monkeypatch.setattr(absorbed, "backward", spy)
+    q, kv, w, idx, gout, _ = _problem()
+
+    def fn(q, kv, w):
+        return torch.ops.hyscale.sparse_attention_mla(q, kv, w, idx, Dn, 0.3, True, 12, None, None, "zero")[0]
+
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    leaves = [x.clone().requires_grad_() for x in (q, kv, w)]
+    (fn(*leaves) * gout).sum().backward()
+    assert seen and all(dlse is None and dlat is None for dlse, dlat in seen)

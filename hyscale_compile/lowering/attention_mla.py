@@ -91,6 +91,9 @@ def _(grad_out, grad_lse, grad_latent, q, kv, w, latent, lse, indices, nope_dim,
 def _setup(ctx, inputs, output) -> None:
     q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty = inputs
     _, lse, latent = output
+    # o' is an output only to be kept for the backward: no gradient reaches it unless a caller reads it, and one
+    # materialized as zeros would be as large as o' itself (8.6 GB at the layer's sizes, at the backward's peak)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, kv, w, latent, lse, indices, offsets, key_mask)
     ctx.args = (nope_dim, scale, causal, offset, empty)
 

@@ -44,8 +44,22 @@ def _shifted(picks: Picks, t0: int) -> Picks:
     return dataclasses.replace(picks, offset=picks.offset + t0)
 
 
+def _heads_mm(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """out[..., h, :] = a[..., h, :] @ b[h] for a [B, R, H, X], b [H, X, Y], out [B, R, H, Y] (views): one batched GEMM
+    a batch row, written in place. With the heads as the GEMM's batch, a [R, H, X] row-major block is [H, R, X] with
+    row stride H * X, which cuBLAS reads and writes as it is: neither a permuted copy of the operands nor a
+    concatenation after."""
+    for i in range(a.shape[0]):
+        torch.bmm(a[i].transpose(0, 1), b, out=out[i].transpose(0, 1))
+
+
 def _latent_q(q: Tensor, w: Tensor, Dn: int) -> Tensor:
-    return torch.cat([torch.einsum("bthn,hnc->bthc", q[..., :Dn], w[:, :Dn]), q[..., Dn:]], -1)
+    """q' = [q_nope w_uk[h], q_rope], row-major [B, R, H, Dc + Dr] (the layout the kernels read a row's heads in)."""
+    Dc = w.shape[2]
+    ql = q.new_empty(*q.shape[:3], Dc + q.shape[3] - Dn)
+    _heads_mm(q[..., :Dn], w[:, :Dn], ql[..., :Dc])
+    ql[..., Dc:] = q[..., Dn:]
+    return ql
 
 
 def forward(q: Tensor, kv: Tensor, w: Tensor, Dn: int, indices: Tensor, scale: float, picks: Picks,
@@ -57,13 +71,14 @@ def forward(q: Tensor, kv: Tensor, w: Tensor, Dn: int, indices: Tensor, scale: f
     lat = q.new_empty(B, T, H, Dc)
     lse = torch.empty(B, T, H, dtype=torch.float32 if compute_dtype(q) == torch.float32 else compute_dtype(q),
                       device=q.device)
+    w_uv_t = w[:, Dn:].transpose(1, 2)
     step = block_rows(q, kv)
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
         o, m = attention(_latent_q(q[:, rows], w, Dn), kv, kv[..., :Dc], indices[:, rows], scale,
                          _shifted(picks, t0), empty)
         lat[:, rows], lse[:, rows] = o, m
-        out[:, rows] = torch.einsum("bthc,hvc->bthv", o, w[:, Dn:])
+        _heads_mm(o, w_uv_t, out[:, rows])
     return out, lse, lat
 
 
@@ -91,17 +106,19 @@ def backward(dout: Tensor, dlse: Tensor | None, dlat: Tensor | None, q: Tensor, 
     dkv = torch.zeros(kv.shape, dtype=ct, device=q.device)
     dw_uk = torch.zeros(H, Dn, Dc, dtype=ct, device=q.device)
     dw_uv = torch.zeros(H, w.shape[1] - Dn, Dc, dtype=ct, device=q.device)
+    w_uk_t = w[:, :Dn].transpose(1, 2)
     step = block_rows(q, kv)
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
         do = dout[:, rows]
-        dl = torch.einsum("bthv,hvc->bthc", do, w[:, Dn:])
+        dl = q.new_empty(*do.shape[:3], Dc)  # do' row-major, as the kernels read a row's heads
+        _heads_mm(do, w[:, Dn:], dl)
         if dlat is not None:
-            dl = dl + dlat[:, rows]
+            dl += dlat[:, rows]
         delta = row_delta(dl, lat[:, rows], None if dlse is None else dlse[:, rows])
         dql, _ = attention_backward_latent(dl, delta, _latent_q(q[:, rows], w, Dn), kv, Dc, lse[:, rows],
                                            indices[:, rows], scale, _shifted(picks, t0), empty, dkv_acc=dkv)
-        dq[:, rows, :, :Dn] = torch.einsum("bthc,hnc->bthn", dql[..., :Dc], w[:, :Dn])
+        _heads_mm(dql[..., :Dc], w_uk_t, dq[:, rows, :, :Dn])
         dq[:, rows, :, Dn:] = dql[..., Dc:]
         _add_products(dw_uk, q[:, rows, :, :Dn], dql[..., :Dc])
         _add_products(dw_uv, do, lat[:, rows])
