@@ -413,7 +413,8 @@ ATTENTION_SPELLINGS = {
         _eager(lambda w, i: w.masked_fill(~(_causal(-2) & ~_hidden(i)), NEG)), "rejected"),
     "eager_softcap": (
         _eager(lambda w, i: (torch.tanh(w / 5.0) * 5.0).masked_fill(~(_causal() & ~_hidden(i)), MIN)), None),
-    "eager_negated_logits": (_eager(lambda w, i: (-w).masked_fill(~(_causal() & ~_hidden(i)), MIN)), None),
+    # a site since the mask arithmetic reads negation (test_mask_arithmetic): rejected, with the reason
+    "eager_negated_logits": (_eager(lambda w, i: (-w).masked_fill(~(_causal() & ~_hidden(i)), MIN)), "rejected"),
     "indices_repeated_by_cat": (
         _sdpa(lambda i: _causal() & ~torch.ones(B, T, AS, dtype=torch.bool).scatter(
             -1, torch.cat([i[..., :2], i[..., :2]], -1), False)[:, None]), "rejected"),

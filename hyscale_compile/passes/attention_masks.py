@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from . import masks, positions
-from .attention_sites import CONSTANT_TENSORS, VIEWS, Site, constant_fill, differ, mask_op
+from .attention_sites import CONSTANT_TENSORS, MASK_ARITHMETIC, VIEWS, Site, constant_fill, differ, mask_op
 from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Leaf, Reject
 from .legality import requires_grad
@@ -198,7 +198,8 @@ class _Expr:
             self.triangles[node] = triangle
             return
         name, inplace = mask_op(node)
-        if name in ("where", "masked_fill", "add", "sub", "to", "float", "invert") or name in VIEWS:
+        if name in ("where", "masked_fill", "add", "sub", "to", "float", "invert") or name in VIEWS or \
+                name in MASK_ARITHMETIC:
             if inplace:
                 raise Reject(f"the model's mask is updated in place ({node.name})", self.site.scatter)
             if name in VIEWS or name in ("to", "float"):
@@ -276,6 +277,8 @@ class _Expr:
                 raise Reject(f"add / sub with alpha in the mask ({node.name})", site.scatter)
             a, b = ev(node.args[0]), ev(node.args[1])
             return _add(a, b, name == "sub", dt, node, site.scatter)
+        if name in MASK_ARITHMETIC:
+            return _arithmetic(name, [ev(x) for x in node.args[:1 if name == "neg" else 2]], dt, node, site.scatter)
         raise Reject(f"the mask goes through {describe(node)} ({node.name}), which the pass does not read",
                      site.scatter)
 
@@ -320,6 +323,22 @@ def _cast(x, dt):
     if dt is None:
         return x
     return torch.tensor(x, dtype=dt) if not isinstance(x, torch.Tensor) else x.to(dt)
+
+
+_COMPUTE = {"mul": torch.mul, "neg": torch.neg, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le,
+            "gt": torch.gt, "ge": torch.ge}
+
+
+def _arithmetic(name: str, args: list, dt, node: fx.Node, scatter: fx.Node):
+    """A product, negation or comparison of mask values, computed as the model computes it (the same promotion,
+    one rounding to the node's dtype). The scores are never an operand: scaling or comparing them is no mask."""
+    if any(isinstance(x, Score) for x in args):
+        raise Reject(f"the mask arithmetic ({node.name}: {name}) {'scales' if name in ('mul', 'neg') else 'compares'} "
+                     "the scores themselves", scatter)
+    values = [torch.tensor(x) if isinstance(x, bool) else x for x in args]
+    if not any(isinstance(x, torch.Tensor) for x in values):
+        raise Reject(f"the mask arithmetic ({node.name}) has no tensor operand", scatter)
+    return _cast(_COMPUTE[name](*values), dt)
 
 
 def _add(a, b, subtract: bool, dt, node: fx.Node, scatter: fx.Node):

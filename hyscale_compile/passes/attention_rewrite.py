@@ -255,7 +255,7 @@ _PURE = {"unsqueeze", "squeeze", "expand", "reshape", "getitem", "to", "float", 
          "masked_fill", "where", "add", "sub", "mul", "div", "matmul", "softmax", "dropout", "transpose", "permute",
          "scatter", "new_ones", "new_zeros", "new_full", "new_empty", "ones", "zeros", "full", "empty", "ones_like",
          "zeros_like", "full_like", "empty_like", "arange", "le", "lt", "ge", "gt", "linear", "split", "cat",
-         "tensor", "sdpa", "detach"}
+         "tensor", "sdpa", "detach", "neg", "eq", "ne"}
 _CREATORS = {"new_empty", "empty", "new_zeros", "zeros", "new_ones", "ones", "new_full", "full", "empty_like",
              "zeros_like", "ones_like", "full_like"}
 

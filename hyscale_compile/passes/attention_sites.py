@@ -2,7 +2,8 @@
 
 A site is a ``scatter`` of a selection's indices into a constant-filled tensor (the *index mask*, e.g. HF's
 ``idx.new_ones((B, T, S), dtype=bool).scatter(-1, idx.long(), False)``) whose value reaches one attention
-through mask operations: views, ``~``, ``&``, ``|``, ``masked_fill``, ``where``, ``+``. The attention is
+through mask operations: views, ``~``, ``&``, ``|``, ``masked_fill``, ``where``, ``+``, ``-``, ``*``,
+comparisons. The attention is
 ``scaled_dot_product_attention`` reading the mask as ``attn_mask``, or the eager chain
 ``matmul(q, k^T) * scale (+ mask) -> softmax -> [.to] -> [dropout] -> matmul(., v)``.
 
@@ -32,7 +33,10 @@ _INPLACE_METHODS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub",
 
 # What a mask passes through on its way from the scatter to the attention.
 MASK_OPS = {"unsqueeze", "squeeze", "expand", "reshape", "getitem", "to", "float", "identity", "invert", "and", "or",
-            "masked_fill", "where", "add", "sub"}
+            "masked_fill", "where", "add", "sub", "mul", "neg", "eq", "ne", "lt", "le", "gt", "ge"}
+# Arithmetic and comparisons a mask may go through (``(1.0 - keep.float()) * finfo.min``, ``keep == 0``): evaluated
+# exactly like the rest (attention_masks), so a spelling that does not hide exactly is still told apart.
+MASK_ARITHMETIC = {"mul", "neg", "eq", "ne", "lt", "le", "gt", "ge"}
 VIEWS = {"unsqueeze", "squeeze", "expand", "reshape", "getitem", "identity"}
 
 # Tensors filled with one constant: what a scatter writes into, and constants inside masks.
