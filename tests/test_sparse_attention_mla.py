@@ -57,14 +57,14 @@ VISIBILITY = {
 
 @pytest.mark.parametrize("empty", ["zero", "mean"])
 @pytest.mark.parametrize("name", sorted(VISIBILITY))
-@pytest.mark.parametrize("rows", [1, 4, 100])  # rows a block: 1, uneven blocks, all rows at once
+@pytest.mark.parametrize("rows", [1, 4, 100])  # rows a block: 1, uneven blocks (one batch row), all at once
 def test_op_equals_the_graph_ops(monkeypatch, name, empty, rows):
     """Values, lse, o' and the gradients of q, kv and w equal the graph ops' for any block of rows, with rows that
     have no visible pick, per-batch offsets and a key mask."""
-    q, kv, w, idx, gout, glse = _problem(seed=rows)
+    q, kv, w, idx, gout, glse = _problem(B=1 if rows == 4 else 2, seed=rows)  # B = 1: written in place
     causal, offset, offsets, key_mask = VISIBILITY[name]
     if offsets == "tensor":
-        offsets = torch.tensor([12, -4])
+        offsets = torch.tensor([12, -4])[:q.shape[0]]
     if key_mask:
         key_mask = torch.rand(q.shape[0], kv.shape[1], generator=torch.Generator().manual_seed(3)) > 0.3
     else:

@@ -21,14 +21,15 @@ def _triton(t: Tensor) -> bool:
     return dispatch.backend_for(t) == "triton"
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, picks: Picks,
-              empty: str) -> tuple[Tensor, Tensor]:
-    """(out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, picks: Picks, empty: str,
+              out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32 (float64 for float64 inputs)), written into ``out`` /
+    ``lse`` where given (contiguous, those shapes and dtypes)."""
     if _triton(q):
         from . import forward
 
-        return forward.forward(q, k, v, indices, scale, picks, empty)
-    return naive.forward(q, k, v, indices, scale, picks, empty)
+        return forward.forward(q, k, v, indices, scale, picks, empty, out, lse)
+    return naive.forward(q, k, v, indices, scale, picks, empty, out, lse)
 
 
 # Elements of dout a row_delta step upcasts at once: its fp32 temporaries stay at 256 MB each, where the whole

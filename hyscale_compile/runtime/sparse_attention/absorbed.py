@@ -75,9 +75,11 @@ def forward(q: Tensor, kv: Tensor, w: Tensor, Dn: int, indices: Tensor, scale: f
     step = block_rows(q, kv)
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
+        into = lat[:, rows].is_contiguous()  # one batch row: the kernel writes o' and lse where they stay
         o, m = attention(_latent_q(q[:, rows], w, Dn), kv, kv[..., :Dc], indices[:, rows], scale,
-                         _shifted(picks, t0), empty)
-        lat[:, rows], lse[:, rows] = o, m
+                         _shifted(picks, t0), empty, *((lat[:, rows], lse[:, rows]) if into else ()))
+        if not into:
+            lat[:, rows], lse[:, rows] = o, m
         _heads_mm(o, w_uv_t, out[:, rows])
     return out, lse, lat
 

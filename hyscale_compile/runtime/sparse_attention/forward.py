@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import common
 from .common import LN2_C, causal_limit, load_picks, load_rows, mm  # used inside the kernels
-from .naive import Picks, value_mean
+from .naive import Picks, outputs, value_mean
 
 # Tuning knobs (None: the rule in ``config``): heads per program at most, picks per step, warps, stages.
 HEAD_BLOCK = 64
@@ -104,14 +104,14 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, offs_ptr, km_ptr, vmean_ptr, out_p
     tl.store(lse_ptr + out_row, lse, mask=hmask)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, picks: Picks,
-            empty: str) -> tuple[Tensor, Tensor]:
-    """(out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32)."""
+def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, picks: Picks, empty: str,
+            out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32), written into ``out`` / ``lse`` where given
+    (contiguous)."""
     B, T, H, Dqk = q.shape
     S, G, Dv, K = k.shape[1], k.shape[2], v.shape[3], indices.shape[-1]
     HG = H // G
-    out = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    out, lse = outputs(q, Dv, torch.float32, out, lse)
     if B * T * H == 0:
         return out, lse
     if K == 0 or S == 0:

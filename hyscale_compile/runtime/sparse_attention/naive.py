@@ -117,14 +117,27 @@ def _block(q, k, v, indices, scale, picks: Picks, lse, t0, t1):
     return qg, kg, vg, kept, s, p
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, picks: Picks,
-            empty: str) -> tuple[Tensor, Tensor]:
-    """(out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32 (float64 for float64 inputs))."""
+def outputs(q: Tensor, Dv: int, lse_dtype: torch.dtype, out: Tensor | None,
+            lse: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The forward's (out, lse): the caller's where given (checked), else new."""
+    B, T, H = q.shape[:3]
+    if out is None:
+        out = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(B, T, H, dtype=lse_dtype, device=q.device)
+    assert out.shape == (B, T, H, Dv) and out.dtype == q.dtype and out.is_contiguous(), "out: [B, T, H, Dv], q's dtype"
+    assert lse.shape == (B, T, H) and lse.dtype == lse_dtype and lse.is_contiguous(), "lse: [B, T, H]"
+    return out, lse
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, picks: Picks, empty: str,
+            out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32 (float64 for float64 inputs)), written into ``out`` /
+    ``lse`` where given (contiguous)."""
     B, T, H, Dqk = q.shape
     G, Dv, K = k.shape[2], v.shape[3], indices.shape[-1]
     ct = compute_dtype(q)
-    out = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, T, H, dtype=torch.float32 if ct == torch.float32 else ct, device=q.device)
+    out, lse = outputs(q, Dv, torch.float32 if ct == torch.float32 else ct, out, lse)
     vmean = value_mean(v) if empty == "mean" else None
     step = rows_per_block(B, K, G, Dqk + Dv)
     for t0 in range(0, T, step):
