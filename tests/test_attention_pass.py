@@ -405,7 +405,7 @@ hyscale.empty_rows_like_eager(getitem, .transpose, .transpose, .transpose, getit
 .transpose(cat, 1, 2)
 cat([.transpose, .transpose], -1)
 .view(in, 4, 32, 16)
-hyscale.sparse_attention_mla(.transpose, cat, .view, .long, 16, 0.204124, True, 0, None, .expand, zero)
+hyscale.sparse_attention_mla(.transpose, cat, .view, .long, 16, 0.204124, True, 0, None, .expand, zero, False)
 getitem(hyscale.sparse_attention_mla, 0)""")
 
 

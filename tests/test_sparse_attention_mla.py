@@ -174,3 +174,26 @@ def test_no_zero_gradient_is_made_for_the_kept_outputs(monkeypatch, compiled):
     leaves = [x.clone().requires_grad_() for x in (q, kv, w)]
     (fn(*leaves) * gout).sum().backward()
     assert seen and all(dlse is None and dlat is None for dlse, dlat in seen)
+
+
+@pytest.mark.parametrize("rows", [2, 100])
+def test_eager_empty_row_gradient_folded_in(monkeypatch, rows):
+    """eager_empty_grad: rows with no visible pick (empty="mean") get eager's gradient for an additive finfo.min mask,
+    as the graph ops with empty_rows_like_eager after the latent op give it."""
+    q, kv, w, idx, gout, glse = _problem(seed=5)
+    args = (0.3, True, -3, None, None, "mean")  # rows t < 3 see no key
+    monkeypatch.setattr(absorbed, "ROWS_BYTES", rows * q.shape[0] * q.shape[2] * (Dc + Dr) * q.element_size())
+
+    def graph_ops(q, kv, w, idx, *a):
+        ql = torch.cat([torch.einsum("bthn,hnc->bthc", q[..., :Dn], w[:, :Dn]), q[..., Dn:]], -1)
+        lat, lse = torch.ops.hyscale.sparse_attention_latent(ql, kv, idx, Dc, *a)
+        lat = torch.ops.hyscale.empty_rows_like_eager(lat, ql, kv, kv[..., :Dc], lse, a[0])
+        return torch.einsum("bthc,hvc->bthv", lat, w[:, Dn:]), lse, lat
+
+    got = _values_and_grads(lambda q, kv, w, idx, *a: torch.ops.hyscale.sparse_attention_mla(q, kv, w, idx, Dn, *a,
+                                                                                             True),
+                            q, kv, w, idx, gout, glse, *args)
+    want = _values_and_grads(graph_ops, q, kv, w, idx, gout, glse, *args)
+    plain = _values_and_grads(_graph_ops, q, kv, w, idx, gout, glse, *args)
+    _close(got, want, 1e-5)
+    assert not torch.allclose(want[3], plain[3])  # the empty rows' q gradient is there to fold

@@ -14,7 +14,9 @@ The attention pass emitted those three steps as graph ops; autograd then kept q'
 backward made dq' and do' whole, which were most of the layer's peak memory at long contexts. This op runs them a
 block of query rows at a time (``runtime/sparse_attention/absorbed.py``): q' is recomputed in the backward a block
 at a time, and only o' (which w_uv's gradient needs) is kept, as the op's third output. Picks, the causal rule, the
-key mask and empty rows as ``sparse_attention`` (lowering/attention.py).
+key mask and empty rows as ``sparse_attention`` (lowering/attention.py); ``eager_empty_grad`` adds, for rows with no
+visible pick, the gradient eager attention under an additive finfo.min mask gives them (what
+``empty_rows_like_eager`` adds after ``sparse_attention``: lowering/attention_rows.py).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def check_mla_inputs(q: Tensor, kv: Tensor, w: Tensor, indices: Tensor, nope_dim
 
 @torch.library.custom_op(_NAME.replace(".", "::"), mutates_args=())
 def sparse_attention_mla(q: Tensor, kv: Tensor, w: Tensor, indices: Tensor, nope_dim: int, scale: float,
-                         causal: bool, offset: int, offsets: Tensor | None, key_mask: Tensor | None, empty: str
-                         ) -> tuple[Tensor, Tensor, Tensor]:
+                         causal: bool, offset: int, offsets: Tensor | None, key_mask: Tensor | None, empty: str,
+                         eager_empty_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     check_mla_inputs(q, kv, w, indices, nope_dim, offsets, key_mask, empty)
     picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
     with without_autocast(q.device):
@@ -64,7 +66,7 @@ def sparse_attention_mla(q: Tensor, kv: Tensor, w: Tensor, indices: Tensor, nope
 
 
 @sparse_attention_mla.register_fake
-def _(q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty):
+def _(q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty, eager_empty_grad=False):
     check_mla_inputs(q, kv, w, indices, nope_dim, offsets, key_mask, empty)
     B, T, H = q.shape[0], q.shape[1], q.shape[2]
     return (q.new_empty((B, T, H, w.shape[1] - nope_dim)), q.new_empty((B, T, H), dtype=torch.float32),
@@ -75,38 +77,39 @@ def _(q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, emp
 def sparse_attention_mla_backward(grad_out: Tensor, grad_lse: Tensor | None, grad_latent: Tensor | None, q: Tensor,
                                   kv: Tensor, w: Tensor, latent: Tensor, lse: Tensor, indices: Tensor, nope_dim: int,
                                   scale: float, causal: bool, offset: int, offsets: Tensor | None,
-                                  key_mask: Tensor | None, empty: str) -> tuple[Tensor, Tensor, Tensor]:
+                                  key_mask: Tensor | None, empty: str, eager_empty_grad: bool
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
     picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
     with without_autocast(q.device):
         return absorbed.backward(grad_out, grad_lse, grad_latent, q, kv, w, nope_dim, latent, lse, indices, scale,
-                                 picks, empty)
+                                 picks, empty, eager_empty_grad)
 
 
 @sparse_attention_mla_backward.register_fake
 def _(grad_out, grad_lse, grad_latent, q, kv, w, latent, lse, indices, nope_dim, scale, causal, offset, offsets,
-      key_mask, empty):
+      key_mask, empty, eager_empty_grad):
     return q.new_empty(q.shape), kv.new_empty(kv.shape), w.new_empty(w.shape)
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty = inputs
+    q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty, eager_empty_grad = inputs
     _, lse, latent = output
     # o' is an output only to be kept for the backward: no gradient reaches it unless a caller reads it, and one
     # materialized as zeros would be as large as o' itself (8.6 GB at the layer's sizes, at the backward's peak)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, kv, w, latent, lse, indices, offsets, key_mask)
-    ctx.args = (nope_dim, scale, causal, offset, empty)
+    ctx.args = (nope_dim, scale, causal, offset, empty, eager_empty_grad)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_latent):
     q, kv, w, latent, lse, indices, offsets, key_mask = ctx.saved_tensors
-    nope_dim, scale, causal, offset, empty = ctx.args
+    nope_dim, scale, causal, offset, empty, eager_empty_grad = ctx.args
     if grad_out is None:
         grad_out = q.new_zeros((*q.shape[:3], w.shape[1] - nope_dim))
     dq, dkv, dw = torch.ops.hyscale.sparse_attention_mla_backward(
         grad_out, grad_lse, grad_latent, q, kv, w, latent, lse, indices, nope_dim, scale, causal, offset, offsets,
-        key_mask, empty)
-    return dq, dkv, dw, None, None, None, None, None, None, None, None
+        key_mask, empty, eager_empty_grad)
+    return dq, dkv, dw, None, None, None, None, None, None, None, None, None
 
 
 sparse_attention_mla.register_autograd(_backward, setup_context=_setup)

@@ -23,10 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..runtime.sparse_attention.empty_rows import eager_gradient
 from .attention import without_autocast
-
-# Upper bound on the elements of one chunk's [rows, H, S] score gradients.
-_CHUNK_ELEMS = 1 << 24
 
 
 @torch.library.custom_op("hyscale::empty_rows_like_eager", mutates_args=())
@@ -44,34 +42,8 @@ def empty_rows_like_eager_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor
                                    ) -> tuple[Tensor, Tensor]:
     """(dq, dk): eager's softmax gradient on the empty rows, zero elsewhere (deterministic: no atomics)."""
     with without_autocast(q.device):
-        return _empty_rows_backward(grad, q, k, v, lse, scale)
-
-
-def _empty_rows_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, scale: float
-                         ) -> tuple[Tensor, Tensor]:
-    B, T, H, Dqk = q.shape
-    S, G, Dv = k.shape[1], k.shape[2], v.shape[3]
-    HG = H // G
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(B, T, H, Dqk, dtype=ct, device=q.device)
-    dk = torch.zeros(B, S, G, Dqk, dtype=ct, device=q.device)
-    empty = lse == float("-inf")  # [B, T, H]
-    rows = empty.any(-1).nonzero()  # (b, t) with an empty head (a host sync; only graphs that can have such rows)
-    if rows.numel() and S:
-        vc = v.to(ct) - v.to(ct).mean(1, keepdim=True)  # [B, S, G, Dv]
-        step = max(1, _CHUNK_ELEMS // max(1, H * S))
-        for b in rows[:, 0].unique().tolist():
-            ts = rows[rows[:, 0] == b, 1]
-            kb, vb = k[b].to(ct), vc[b]
-            for i in range(0, ts.numel(), step):
-                t = ts[i:i + step]
-                R = t.numel()
-                keep = empty[b, t].to(ct).view(R, G, HG, 1)
-                g = grad[b, t].to(ct).view(R, G, HG, Dv) * keep
-                ds = torch.einsum("rghd,sgd->rghs", g, vb) / S
-                dq[b, t] = (torch.einsum("rghs,sgd->rghd", ds, kb) * scale).reshape(R, H, Dqk)
-                dk[b] += torch.einsum("rghs,rghd->sgd", ds, q[b, t].to(ct).view(R, G, HG, Dqk)) * scale
-    return dq.to(q.dtype), dk.to(k.dtype)
+        dq, dk = eager_gradient(grad, q, k, v, lse, scale)
+        return dq.to(q.dtype), dk.to(k.dtype)
 
 
 @empty_rows_like_eager_backward.register_fake

@@ -9,7 +9,7 @@ layout (``attention_mla``) the up-projection is folded into q and applied to the
 and their gradients never exist whole) around the latent attention, taking the latent kv row once (the value
 being its first Dc features: the view only this rewrite builds, so kv's whole gradient is all anything reads) and
 folding dv into dk in its backward. Where eager's gradient of empty rows is added after the attention
-(``empty_rows_like_eager``), the three steps stay graph ops around ``hyscale.sparse_attention_latent``. Under
+(``empty_rows_like_eager``), the op adds it itself (its ``eager_empty_grad``). Under
 autocast q, k and v are cast to the dtype the model's attention computes in. The output is put back as the
 model's [B, H, T, Dv] with eager's strides; the dense masks, and what only fed them, are erased.
 """
@@ -92,7 +92,6 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
 # (q, k, v: copied where the graph writes them later; the picks, offsets and key mask, [B, T, K] / [B] / [B, S] that
 # the model's attention never keeps: also where they are the graph's inputs or outputs, which the caller may write).
 _SAVED = {torch.ops.hyscale.sparse_attention.default: ((0, 1, 2), (3, 7, 8)),
-          torch.ops.hyscale.sparse_attention_latent.default: ((0, 1), (2, 7, 8)),
           torch.ops.hyscale.sparse_attention_mla.default: ((0, 1, 2), (3, 8, 9)),
           torch.ops.hyscale.empty_rows_like_eager.default: ((1, 2, 3), ())}
 
@@ -172,33 +171,21 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
         key_mask = m if key_mask is None else graph.call_function(torch.logical_and, (key_mask, m))
     offset = masks.emit_sum(graph, plan.offset_terms) if plan.causal else 0
     eager_empty_grad = plan.eager_empty_grad and any(requires_grad(x) for x in (att.q, att.k, att.v))
-    if latent is not None and not eager_empty_grad:  # the absorption inside the op, a block of rows at a time
-        q, kv = _latent_operands(graph, att.q, latent, B, S, absorb=False)
+    if latent is not None:  # the absorption inside the op, a block of query rows at a time
+        q, kv = _latent_operands(graph, att.q, latent, B, S)
         out = graph.call_function(torch.ops.hyscale.sparse_attention_mla.default, (
             q, kv, _weight_heads(graph, latent), idx, latent.Dn, float(att.scale), plan.causal, offset, None,
-            key_mask, plan.empty))
+            key_mask, plan.empty, eager_empty_grad))
         return graph.call_function(operator.getitem, (out, 0))
-    if latent is not None:
-        qx, kx = _latent_operands(graph, att.q, latent, B, S)
-        out = graph.call_function(torch.ops.hyscale.sparse_attention_latent.default, (
-            qx, kx, idx, latent.Dc, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
-    else:
-        qx = graph.call_method("transpose", (q if cast is None else graph.call_method("to", (q, cast)), 1, 2))
-        kx, vx = (_kv_operand(graph, x, B, shape(q)[0], cast) for x in (att.k, att.v))
-        out = graph.call_function(torch.ops.hyscale.sparse_attention.default, (
-            qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
+    qx = graph.call_method("transpose", (q if cast is None else graph.call_method("to", (q, cast)), 1, 2))
+    kx, vx = (_kv_operand(graph, x, B, shape(q)[0], cast) for x in (att.k, att.v))
+    out = graph.call_function(torch.ops.hyscale.sparse_attention.default, (
+        qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
     o = graph.call_function(operator.getitem, (out, 0))
     if eager_empty_grad:
         lse = graph.call_function(operator.getitem, (out, 1))
-        if latent is not None:
-            vx = graph.call_function(operator.getitem, (kx, (Ellipsis, slice(None, latent.Dc))))
         o = graph.call_function(torch.ops.hyscale.empty_rows_like_eager.default, (o, qx, kx, vx, lse,
                                                                                   float(att.scale)))
-    if latent is not None:  # out_lat [B, T, H, Dc] -> per head W_uv[h]: [B, T, H, Dv]
-        w_uv = graph.call_function(operator.getitem, (
-            _weight_heads(graph, latent), (slice(None), slice(latent.Dn, None))))
-        o = graph.call_function(torch.einsum, ("bthc,hvc->bthv", o, w_uv))
-        o = graph.call_method("contiguous", (o,))  # einsum's output strides are its own
     return o
 
 
@@ -217,26 +204,12 @@ def _weight_heads(graph: fx.Graph, latent: Latent) -> fx.Node:
     return graph.call_method("view", (latent.weight, latent.H, latent.Dn + latent.Dv, latent.Dc))
 
 
-def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S,
-                     absorb: bool = True) -> tuple[fx.Node, fx.Node]:
-    """q' = [q_nope W_uk[h], q_rope] [B, T, H, Dc + Dr] (``absorb``; else the per-head q [B, T, H, Dn + Dr] that
-    ``sparse_attention_mla`` absorbs itself); kv = [c, r] [B, S, 1, Dc + Dr] (v = kv[..., :Dc]). The
-    rope key may be shared by the batch or by the positions ([1, 1, S, Dr], [B, 1, 1, Dr]): it is expanded to the
-    latent's [B, S] as the model's expansion over the heads broadcast it; a latent shared by the batch ([1, S, Dc],
-    keys and values the attention broadcasts over q's batch) is expanded to q's."""
-    Dn = latent.Dn
+def _latent_operands(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> tuple[fx.Node, fx.Node]:
+    """The per-head q [B, T, H, Dn + Dr] (``sparse_attention_mla`` absorbs W_uk into it); kv = [c, r] [B, S, 1, Dc +
+    Dr] (v = kv[..., :Dc]). The rope key may be shared by the batch or by the positions ([1, 1, S, Dr], [B, 1, 1,
+    Dr]): it is expanded to the latent's [B, S] as the model's expansion over the heads broadcast it; a latent
+    shared by the batch ([1, S, Dc], keys and values the attention broadcasts over q's batch) is expanded to q's."""
     qt = graph.call_method("transpose", (q, 1, 2))
-    if not absorb:
-        return qt, _latent_kv(graph, q, latent, B, S)
-    q_nope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(None, Dn))))
-    q_rope = graph.call_function(operator.getitem, (qt, (Ellipsis, slice(Dn, None))))
-    w_uk = graph.call_function(operator.getitem, (_weight_heads(graph, latent), (slice(None), slice(None, Dn))))
-    q_lat = graph.call_function(torch.einsum, ("bthn,hnc->bthc", q_nope, w_uk))
-    qx = graph.call_function(torch.cat, ([q_lat, q_rope], -1))
-    return qx, _latent_kv(graph, q, latent, B, S)
-
-
-def _latent_kv(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> fx.Node:
     c = latent.latent
     c = graph.call_method("unsqueeze", (c, 2)) if len(shape(c)) == 3 else graph.call_method("transpose", (c, 1, 2))
     if is_one(shape(latent.latent)[0]) and not is_one(shape(q)[0]):  # one latent for the batch: SDPA broadcasts it
@@ -245,7 +218,7 @@ def _latent_kv(graph: fx.Graph, q: fx.Node, latent: Latent, B, S) -> fx.Node:
     rs = shape(latent.rope)
     if not (same_size(rs[0], shape(q)[0]) and same_size(rs[2], shape(latent.latent)[-2])):
         r = graph.call_method("expand", (r, B, S, -1, -1))
-    return graph.call_function(torch.cat, ([c, r], -1))
+    return qt, graph.call_function(torch.cat, ([c, r], -1))
 
 
 # ---------------------------------------------------------------------------------------------

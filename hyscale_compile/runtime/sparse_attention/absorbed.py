@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import attention, attention_backward_latent, row_delta
+from .empty_rows import eager_gradient
 from .naive import Picks, compute_dtype
 
 # Bytes of q' per block of query rows (its dq', do' and o' blocks are about as large).
@@ -97,10 +98,11 @@ def _add_products(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def backward(dout: Tensor, dlse: Tensor | None, dlat: Tensor | None, q: Tensor, kv: Tensor, w: Tensor, Dn: int,
-             lat: Tensor, lse: Tensor, indices: Tensor, scale: float, picks: Picks,
-             empty: str) -> tuple[Tensor, Tensor, Tensor]:
+             lat: Tensor, lse: Tensor, indices: Tensor, scale: float, picks: Picks, empty: str,
+             eager_empty_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dkv, dw) in the inputs' dtypes, from the gradients of out, lse and o' (either of the last two may be
-    None)."""
+    None). ``eager_empty_grad``: rows with no visible pick also get the gradient an additive finfo.min mask gives
+    them in eager (empty_rows.py), added to q' and kv's gradients as autograd adds the two uses of them."""
     T, H = q.shape[1], q.shape[2]
     Dc = w.shape[2]
     ct = compute_dtype(q)
@@ -118,8 +120,13 @@ def backward(dout: Tensor, dlse: Tensor | None, dlat: Tensor | None, q: Tensor, 
         if dlat is not None:
             dl += dlat[:, rows]
         delta = row_delta(dl, lat[:, rows], None if dlse is None else dlse[:, rows])
-        dql, _ = attention_backward_latent(dl, delta, _latent_q(q[:, rows], w, Dn), kv, Dc, lse[:, rows],
-                                           indices[:, rows], scale, _shifted(picks, t0), empty, dkv_acc=dkv)
+        ql = _latent_q(q[:, rows], w, Dn)
+        dql, _ = attention_backward_latent(dl, delta, ql, kv, Dc, lse[:, rows], indices[:, rows], scale,
+                                           _shifted(picks, t0), empty, dkv_acc=dkv)
+        if eager_empty_grad:
+            dq_e, dkv_e = eager_gradient(dl, ql, kv, kv[..., :Dc], lse[:, rows], scale)
+            dql = dql + dq_e.to(dql.dtype)
+            dkv += dkv_e
         _heads_mm(dql[..., :Dc], w_uk_t, dq[:, rows, :, :Dn])
         dq[:, rows, :, Dn:] = dql[..., Dc:]
         _add_products(dw_uk, q[:, rows, :, :Dn], dql[..., :Dc])
