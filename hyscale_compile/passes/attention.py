@@ -309,8 +309,11 @@ def _cost_shape(site: sites_.Site, latent) -> cost_.Shape | None:
     training = torch.is_grad_enabled() and any(getattr(value(x), "requires_grad", True) for x in (att.q, att.k, att.v))
     common = dict(B=B, T=T, S=S, H=H, k=K, itemsize=att.dtype.itemsize, training=training, eager=att.kind == "eager",
                   dense_Dqk=Dqk, dense_Dv=Dv)
-    if latent is not None:
-        return cost_.Shape(**common, G=1, Dqk=latent.Dc + latent.Dr, Dv=latent.Dc, aliased=True)
+    if latent is not None:  # the rope dim is a size of the model's input: symbolic under dynamic=True
+        Dc, Dr = cost_.size_hint(latent.Dc), cost_.size_hint(latent.Dr)
+        if Dc is None or Dr is None:
+            return None
+        return cost_.Shape(**common, G=1, Dqk=Dc + Dr, Dv=Dc, aliased=True)
     _, n = sites_.peel_repeat_kv(att.k)
     G = cost_.size_hint(k[1]) if n == 1 else H // n
     if G is None:

@@ -278,7 +278,8 @@ class _Expr:
             a, b = ev(node.args[0]), ev(node.args[1])
             return _add(a, b, name == "sub", dt, node, site.scatter)
         if name in MASK_ARITHMETIC:
-            return _arithmetic(name, [ev(x) for x in node.args[:1 if name == "neg" else 2]], dt, node, site.scatter)
+            operands = node.args[:1 if name == "neg" else 2]
+            return _arithmetic(name, [ev(x) for x in operands], operands, dt, node, site.scatter)
         raise Reject(f"the mask goes through {describe(node)} ({node.name}), which the pass does not read",
                      site.scatter)
 
@@ -329,16 +330,22 @@ _COMPUTE = {"mul": torch.mul, "neg": torch.neg, "eq": torch.eq, "ne": torch.ne, 
             "gt": torch.gt, "ge": torch.ge}
 
 
-def _arithmetic(name: str, args: list, dt, node: fx.Node, scatter: fx.Node):
-    """A product, negation or comparison of mask values, computed as the model computes it (the same promotion,
-    one rounding to the node's dtype). The scores are never an operand: scaling or comparing them is no mask."""
+def _arithmetic(name: str, args: list, operands: tuple, dt, node: fx.Node, scatter: fx.Node):
+    """A product, negation or comparison of mask values, computed as the model computes it: the same kernel on
+    operands of the model's dtypes and kind (a tensor with dims, a 0-d tensor, a Python number), so the same
+    promotion and rounding. The evaluation holds every value as a 0-d tensor, but torch promotes a 0-d tensor
+    against a tensor with dims by category only: ``keep.half() <= torch.tensor(0.9999)`` compares in float16, where
+    0.9999 is 1.0 (True at kept keys too), while two 0-d tensors compare in float32. So operands the model has with
+    dims are computed with one dim. The scores are never an operand: scaling or comparing them is no mask."""
     if any(isinstance(x, Score) for x in args):
         raise Reject(f"the mask arithmetic ({node.name}: {name}) {'scales' if name in ('mul', 'neg') else 'compares'} "
                      "the scores themselves", scatter)
-    values = [torch.tensor(x) if isinstance(x, bool) else x for x in args]
+    # a tensor operand (a boolean mask evaluates to a bool) as a tensor: 0-d where the model's is, else of one dim
+    values = [(torch.tensor(x) if isinstance(x, bool) else x).reshape(() if shape(a) == () else (1,))
+              if isinstance(a, fx.Node) else x for x, a in zip(args, operands)]
     if not any(isinstance(x, torch.Tensor) for x in values):
         raise Reject(f"the mask arithmetic ({node.name}) has no tensor operand", scatter)
-    return _cast(_COMPUTE[name](*values), dt)
+    return _cast(_COMPUTE[name](*values).reshape(()), dt)
 
 
 def _add(a, b, subtract: bool, dt, node: fx.Node, scatter: fx.Node):
