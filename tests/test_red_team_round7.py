@@ -298,7 +298,7 @@ def _grads_after_update(fn, module, args, grad, compiler):
     return [out.detach(), *torch.autograd.grad(out.sum(), leaves)], _attention(reports)
 
 
-# Found in review, open (wrong gradients, silently, under the default compiler): the rewritten op keeps for its
+# Found in review, fixed (wrong gradients, silently, under the default compiler): the rewritten op keeps for its
 # backward a tensor the model's autograd never kept: the MLA op the weight (it recomputes q' = q_nope w_uk a block at
 # a time), every sparse op the [B, S] key mask it reads from the model's padding mask. Where the graph writes it in
 # place after the attention, graph_ops.own_copies hands the op a clone, which is right under compiler="eager" and
@@ -306,9 +306,8 @@ def _grads_after_update(fn, module, args, grad, compiler):
 # writes the input after the forward, and the backward reads the written values (dq off by up to 7.5 for the mask,
 # 0.5 for q and 1.8 for the weight in the MLA model). Plain PyTorch shows it without hyscale (``y = x @
 # w.clone(); w.mul_(0.5)`` under no_grad, w a parameter: Inductor's dx uses 0.5 w), so a clone cannot be the copy
-# here; a copy Inductor cannot see through (an opaque custom op), or leaving such a site dense / per-head, would be.
-@pytest.mark.xfail(strict=True, reason="Inductor does not keep a clone of a graph input that is written later apart "
-                   "from the input; the op's backward reads the written values")
+# here. Fixed: own_copies hands the op hyscale.saved_copy, a custom op the min-cut partitioner does not recompute
+# (it recomputed the cheap clone in the backward, from the written input).
 @pytest.mark.parametrize("what", ["mla_weight", "key_mask"])
 def test_kept_input_written_after_the_attention_under_inductor(what):
     if what == "mla_weight":

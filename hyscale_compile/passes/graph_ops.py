@@ -494,7 +494,9 @@ def own_copies(graph: fx.Graph, op: fx.Node, positions: tuple[int, ...], written
     An op whose autograd formula keeps its inputs for the backward keeps them by reference, as autograd does: a later
     in-place write of one (the model's ``idx.add_(1)`` for its next layer, a mask or offset it updates) makes the
     backward fail ("modified by an inplace operation") where the model's own computation, which kept no such
-    tensor, runs. A copy made where the op reads it is what the op must keep."""
+    tensor, runs. A copy made where the op reads it is what the op must keep: ``hyscale.saved_copy``, which the
+    min-cut partitioner does not recompute in the backward from the written input, as it would a clone
+    (lowering/saved_copy.py)."""
     if written is not None and not written:  # nothing is written later: nothing to copy
         return
     aliases = Aliases(graph)
@@ -504,7 +506,7 @@ def own_copies(graph: fx.Graph, op: fx.Node, positions: tuple[int, ...], written
                 aliases.may_alias(t, x) for t in written for x in (a, view_base(a)))):
             continue
         with graph.inserting_before(op):
-            copy = graph.call_method("clone", (a,))
+            copy = graph.call_function(torch.ops.hyscale.saved_copy.default, (a,))
         if isinstance(pos, int):
             op.args = (*op.args[:pos], copy, *op.args[pos + 1:])
         else:
