@@ -46,12 +46,16 @@ def _shifted(picks: Picks, t0: int) -> Picks:
 
 
 def _heads_mm(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """out[..., h, :] = a[..., h, :] @ b[h] for a [B, R, H, X], b [H, X, Y], out [B, R, H, Y] (views): one batched GEMM
-    a batch row, written in place. With the heads as the GEMM's batch, a [R, H, X] row-major block is [H, R, X] with
-    row stride H * X, which cuBLAS reads and writes as it is: neither a permuted copy of the operands nor a
-    concatenation after."""
-    for i in range(a.shape[0]):
-        torch.bmm(a[i].transpose(0, 1), b, out=out[i].transpose(0, 1))
+    """out[..., h, :] = a[..., h, :] @ b[h] for a [B, R, H, X], b [H, X, Y], out [B, R, H, Y] (views), written in place:
+    one batched GEMM over the heads, for all B * R rows where both are views of that many rows (one batch row, or
+    the whole T), else one a batch row. With the heads as the GEMM's batch, a row-major [R, H, X] block is [H, R, X]
+    with row stride H * X, which cuBLAS reads and writes as it is: no permuted copy, no concatenation after."""
+    try:
+        pairs = [(a.view(-1, *a.shape[2:]), out.view(-1, *out.shape[2:]))]
+    except RuntimeError:  # a block of rows of several batch rows: not one stride apart
+        pairs = list(zip(a, out))
+    for x, o in pairs:
+        torch.bmm(x.transpose(0, 1), b, out=o.transpose(0, 1))
 
 
 def _latent_q(q: Tensor, w: Tensor, Dn: int) -> Tensor:
