@@ -29,12 +29,28 @@ def test_every_script_is_smoke_tested():
     assert found == listed, f"listed here but missing, or there but not listed: {sorted(found ^ listed)}"
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmark_smoke_runs(script):
+def _smoke(script: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"], env=env, capture_output=True,
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"], env=env, capture_output=True,
                           text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request) -> dict:
+    """The selected scripts' smoke runs, started together (a process a CPU): each is mostly its own imports and
+    the interpreter, one core's work, and run one after another they were minutes of the suite."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = [item.callspec.params["script"] for item in request.session.items
+                if item.originalname == "test_benchmark_smoke_runs" and hasattr(item, "callspec")]
+    with ThreadPoolExecutor(max(1, min(len(selected), os.cpu_count() or 1))) as pool:
+        return dict(zip(selected, pool.map(_smoke, selected)))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_smoke_runs(script, smoke_runs):
+    done = smoke_runs[script] if script in smoke_runs else _smoke(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip(), "a smoke run prints its rows"
