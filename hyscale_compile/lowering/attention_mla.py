@@ -25,13 +25,9 @@ import torch
 from torch import Tensor
 
 from ..runtime.sparse_attention import Picks, absorbed
-from .attention import check_attention_inputs, without_autocast
+from .attention import _require, check_attention_inputs, without_autocast
 
 _NAME = "hyscale.sparse_attention_mla"
-
-
-def _require(cond, msg: str) -> None:
-    torch._check(cond, lambda: msg)
 
 
 def check_mla_inputs(q: Tensor, kv: Tensor, w: Tensor, indices: Tensor, nope_dim: int, offsets: Tensor | None,

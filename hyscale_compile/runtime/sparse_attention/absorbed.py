@@ -74,8 +74,7 @@ def forward(q: Tensor, kv: Tensor, w: Tensor, Dn: int, indices: Tensor, scale: f
     Dc = w.shape[2]
     out = q.new_empty(B, T, H, w.shape[1] - Dn)
     lat = q.new_empty(B, T, H, Dc)
-    lse = torch.empty(B, T, H, dtype=torch.float32 if compute_dtype(q) == torch.float32 else compute_dtype(q),
-                      device=q.device)
+    lse = torch.empty(B, T, H, dtype=compute_dtype(q), device=q.device)
     w_uv_t = w[:, Dn:].transpose(1, 2)
     step = block_rows(q, kv)
     for t0 in range(0, T, step):

@@ -137,7 +137,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, pick
     B, T, H, Dqk = q.shape
     G, Dv, K = k.shape[2], v.shape[3], indices.shape[-1]
     ct = compute_dtype(q)
-    out, lse = outputs(q, Dv, torch.float32 if ct == torch.float32 else ct, out, lse)
+    out, lse = outputs(q, Dv, ct, out, lse)
     vmean = value_mean(v) if empty == "mean" else None
     step = rows_per_block(B, K, G, Dqk + Dv)
     for t0 in range(0, T, step):
