@@ -116,3 +116,11 @@ def dense_attention(q, k, v, indices, scale, offset=None, key_mask=None, empty="
 
 def finite(x: Tensor) -> Tensor:
     return torch.where(torch.isinf(x), 0.0, x)
+
+
+def close(got, want, tol) -> None:
+    """Each pair alike in dtype, shape and where it is inf, and close (as float64) where finite."""
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(finite(a).double(), finite(b).double(), rtol=tol, atol=tol)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sparse_attention_cases import close as _close
 from sparse_attention_cases import finite
 
 from hyscale_compile.runtime.sparse_attention import absorbed
@@ -37,13 +38,6 @@ def _values_and_grads(fn, q, kv, w, idx, gout, glse, *args):
     out, lse, lat = fn(*leaves, idx, *args)
     ((out * gout).sum() + (finite(lse) * glse).sum()).backward()
     return (out, lse, lat, *(x.grad for x in leaves))
-
-
-def _close(got, want, tol):
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(torch.isinf(a), torch.isinf(b))
-        torch.testing.assert_close(finite(a).double(), finite(b).double(), rtol=tol, atol=tol)
 
 
 VISIBILITY = {

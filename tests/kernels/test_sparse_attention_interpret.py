@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sparse_attention_cases import CASES, Case, finite, make, nonfinite_key0_unkept
+from sparse_attention_cases import close as _close
 
 import hyscale_compile
 from hyscale_compile.runtime import dispatch
@@ -34,13 +35,6 @@ def _run(impl, q, k, v, idx, picks, dout, empty="zero", scale=0.4):
     out, lse = fwd(q, k, v, idx, scale, picks, empty)
     delta = sa.row_delta(dout, out, None)
     return (out, lse) + tuple(bwd(dout, delta, q, k, v, lse, idx, scale, picks, empty))
-
-
-def _close(got, want, tol):
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(torch.isinf(a), torch.isinf(b))
-        torch.testing.assert_close(finite(a).double(), finite(b).double(), rtol=tol, atol=tol)
 
 
 def _same(got, want):
