@@ -1,8 +1,9 @@
 """``hyscale::sparse_attention_mla``: absorbed MLA attention over the selected keys, the absorption inside the op.
 
     sparse_attention_mla(q [B, T, H, Dn + Dr], kv [B, S, 1, Dc + Dr], w [H, Dn + Dv, Dc], indices [B, T, K],
-                         nope_dim (= Dn), scale, causal, offset, offsets, key_mask, empty)
-        -> (out [B, T, H, Dv], lse [B, T, H] fp32, o' [B, T, H, Dc])
+                         nope_dim (= Dn), scale, causal, offset, offsets, key_mask, empty, eager_empty_grad,
+                         keep_latent)
+        -> (out [B, T, H, Dv], lse [B, T, H] fp32, o' [B, T, H, Dc], or an empty [0] without keep_latent)
 
 is, per head h (w_uk = w[:, :Dn], w_uv = w[:, Dn:]; the MLA up-projection ``kv_b_proj.weight`` viewed per head)::
 
@@ -10,10 +11,12 @@ is, per head h (w_uk = w[:, :Dn], w_uv = w[:, Dn:]; the MLA up-projection ``kv_b
     o', lse = sparse_attention_latent(q', kv, indices, value_dim=Dc, ...)
     out = o' @ w_uv[h]^T
 
-The attention pass emitted those three steps as graph ops; autograd then kept q' for the backward and the
+The attention pass emitted those three steps as graph ops; autograd then kept q' and o' for the backward and the
 backward made dq' and do' whole, which were most of the layer's peak memory at long contexts. This op runs them a
 block of query rows at a time (``runtime/sparse_attention/absorbed.py``): q' is recomputed in the backward a block
-at a time, and only o' (which w_uv's gradient needs) is kept, as the op's third output. Picks, the causal rule, the
+at a time; o' (which w_uv's gradient needs) is kept as the op's third output with ``keep_latent``, else recomputed
+by the backward a block at a time too (less memory, more attention time: the absorbed module says how). Picks, the
+causal rule, the
 key mask and empty rows as ``sparse_attention`` (lowering/attention.py); ``eager_empty_grad`` adds, for rows with no
 visible pick, the gradient eager attention under an additive finfo.min mask gives them (what
 ``empty_rows_like_eager`` adds after ``sparse_attention``: lowering/attention_rows.py).
@@ -54,58 +57,64 @@ def check_mla_inputs(q: Tensor, kv: Tensor, w: Tensor, indices: Tensor, nope_dim
 @torch.library.custom_op(_NAME.replace(".", "::"), mutates_args=())
 def sparse_attention_mla(q: Tensor, kv: Tensor, w: Tensor, indices: Tensor, nope_dim: int, scale: float,
                          causal: bool, offset: int, offsets: Tensor | None, key_mask: Tensor | None, empty: str,
-                         eager_empty_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                         eager_empty_grad: bool = False, keep_latent: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     check_mla_inputs(q, kv, w, indices, nope_dim, offsets, key_mask, empty)
     picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
     with without_autocast(q.device):
-        return absorbed.forward(q, kv, w, nope_dim, indices, scale, picks, empty)
+        return absorbed.forward(q, kv, w, nope_dim, indices, scale, picks, empty, keep_latent)
 
 
 @sparse_attention_mla.register_fake
-def _(q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty, eager_empty_grad=False):
+def _(q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty, eager_empty_grad=False,
+      keep_latent=True):
     check_mla_inputs(q, kv, w, indices, nope_dim, offsets, key_mask, empty)
     B, T, H = q.shape[0], q.shape[1], q.shape[2]
     return (q.new_empty((B, T, H, w.shape[1] - nope_dim)), q.new_empty((B, T, H), dtype=torch.float32),
-            q.new_empty((B, T, H, w.shape[2])))
+            q.new_empty((B, T, H, w.shape[2]) if keep_latent else (0,)))
 
 
 @torch.library.custom_op("hyscale::sparse_attention_mla_backward", mutates_args=())
 def sparse_attention_mla_backward(grad_out: Tensor, grad_lse: Tensor | None, grad_latent: Tensor | None, q: Tensor,
-                                  kv: Tensor, w: Tensor, latent: Tensor, lse: Tensor, indices: Tensor, nope_dim: int,
-                                  scale: float, causal: bool, offset: int, offsets: Tensor | None,
+                                  kv: Tensor, w: Tensor, out: Tensor, lse: Tensor, latent: Tensor, indices: Tensor,
+                                  nope_dim: int, scale: float, causal: bool, offset: int, offsets: Tensor | None,
                                   key_mask: Tensor | None, empty: str, eager_empty_grad: bool
                                   ) -> tuple[Tensor, Tensor, Tensor]:
     picks = Picks(causal=causal, offset=offset, offsets=offsets, key_mask=key_mask)
+    kept = latent.dim() == 4  # else the forward's empty [0]: o' is recomputed
     with without_autocast(q.device):
-        return absorbed.backward(grad_out, grad_lse, grad_latent, q, kv, w, nope_dim, latent, lse, indices, scale,
-                                 picks, empty, eager_empty_grad)
+        return absorbed.backward(grad_out, grad_lse, grad_latent, q, kv, w, nope_dim, out, lse,
+                                 latent if kept else None, indices, scale, picks, empty, eager_empty_grad)
 
 
 @sparse_attention_mla_backward.register_fake
-def _(grad_out, grad_lse, grad_latent, q, kv, w, latent, lse, indices, nope_dim, scale, causal, offset, offsets,
+def _(grad_out, grad_lse, grad_latent, q, kv, w, out, lse, latent, indices, nope_dim, scale, causal, offset, offsets,
       key_mask, empty, eager_empty_grad):
     return q.new_empty(q.shape), kv.new_empty(kv.shape), w.new_empty(w.shape)
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty, eager_empty_grad = inputs
-    _, lse, latent = output
-    # o' is an output only to be kept for the backward: no gradient reaches it unless a caller reads it, and one
-    # materialized as zeros would be as large as o' itself (8.6 GB at the layer's sizes, at the backward's peak)
+    q, kv, w, indices, nope_dim, scale, causal, offset, offsets, key_mask, empty, eager_empty_grad, keep_latent = inputs
+    out, lse, latent = output
+    # o' and lse are read by few callers (the pass's graph reads out alone): a gradient materialized as zeros for
+    # o' would be as large as o' itself (8.6 GB at the layer's sizes, at the backward's peak)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, kv, w, latent, lse, indices, offsets, key_mask)
+    # out is the model's attention output, which its output projection keeps anyway (the same storage); without
+    # keep_latent, the backward's row term and recomputed o' start from it, and latent is the empty [0] (a plain
+    # Tensor argument of the backward op either way: Inductor's dynamic-shape fallback call dropped an optional
+    # tensor argument that was not None)
+    ctx.save_for_backward(q, kv, w, out, lse, latent, indices, offsets, key_mask)
     ctx.args = (nope_dim, scale, causal, offset, empty, eager_empty_grad)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_latent):
-    q, kv, w, latent, lse, indices, offsets, key_mask = ctx.saved_tensors
+    q, kv, w, out, lse, latent, indices, offsets, key_mask = ctx.saved_tensors
     nope_dim, scale, causal, offset, empty, eager_empty_grad = ctx.args
     if grad_out is None:
         grad_out = q.new_zeros((*q.shape[:3], w.shape[1] - nope_dim))
     dq, dkv, dw = torch.ops.hyscale.sparse_attention_mla_backward(
-        grad_out, grad_lse, grad_latent, q, kv, w, latent, lse, indices, nope_dim, scale, causal, offset, offsets,
-        key_mask, empty, eager_empty_grad)
-    return dq, dkv, dw, None, None, None, None, None, None, None, None, None
+        grad_out, grad_lse, grad_latent if latent.dim() == 4 else None, q, kv, w, out, lse, latent, indices,
+        nope_dim, scale, causal, offset, offsets, key_mask, empty, eager_empty_grad)
+    return dq, dkv, dw, None, None, None, None, None, None, None, None, None, None
 
 
 sparse_attention_mla.register_autograd(_backward, setup_context=_setup)

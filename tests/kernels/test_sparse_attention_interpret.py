@@ -175,13 +175,17 @@ def _latent_problem(case: Case, seed=0):
     return q, k, idx, picks, dout
 
 
-def _run_latent(impl, q, kv, idx, picks, dout, Dv, empty="zero", scale=0.4, dlse=None):
-    """(out, lse, dq, dkv): the forward on v = kv[..., :Dv], then the latent backward."""
+def _run_latent(impl, q, kv, idx, picks, dout, Dv, empty="zero", scale=0.4, dlse=None, recompute=False):
+    """(out, lse, dq, dkv): the forward on v = kv[..., :Dv], then the latent backward; with ``recompute`` the
+    backward also recomputes the forward's output, appended."""
     fwd = forward.forward if impl == "triton" else naive.forward
     bwd = backward.backward_latent if impl == "triton" else naive.backward_latent
     out, lse = fwd(q, kv, kv[..., :Dv], idx, scale, picks, empty)
     delta = sa.row_delta(dout, out, dlse)
-    return (out, lse) + tuple(bwd(dout, delta, q, kv, Dv, lse, idx, scale, picks, empty))
+    again = torch.full_like(out, float("nan")) if recompute else None
+    grads = tuple(bwd(dout, delta, q, kv, Dv, lse, idx, scale, picks, empty, out=again,
+                      dlse=dlse if recompute else None))
+    return (out, lse) + grads + ((again,) if recompute else ())
 
 
 @pytest.mark.parametrize("name,empty", [(name, "zero") for name in sorted(LATENT_CASES)]
@@ -201,6 +205,45 @@ def test_latent_backward_matches_reference(name, empty):
     _same(got, _run_latent("triton", q, kv, idx, picks, dout, case.Dv, empty, dlse=dlse))
 
 
+@pytest.mark.parametrize("name,empty", [(name, "zero") for name in sorted(LATENT_CASES)]
+                         + [("few", "mean"), ("mla", "mean")])
+def test_latent_backward_recomputes_the_output(name, empty):
+    """out= : the forward's output recomputed from the backward's p (empty rows as the forward gives them: 0 or the
+    mean of v) equals the forward's and the reference's recomputation; with the caller's delta from the exact
+    output (fp32) dq's corrected row term changes nothing but roundings, and dkv keeps its bits."""
+    case = LATENT_CASES[name]
+    q, kv, idx, picks, dout = _latent_problem(case)
+    dlse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    got = _run_latent("triton", q, kv, idx, picks, dout, case.Dv, empty, dlse=dlse, recompute=True)
+    plain = _run_latent("triton", q, kv, idx, picks, dout, case.Dv, empty, dlse=dlse)
+    _same(got[:2] + got[3:4], plain[:2] + plain[3:])
+    _close(got[2:3], plain[2:3], 2e-5)
+    _close(got[4:], got[:1], 2e-5)
+    _close(got, _run_latent("naive", q, kv, idx, picks, dout, case.Dv, empty, dlse=dlse, recompute=True), 2e-5)
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_latent_dq_takes_the_row_term_of_the_recomputed_output(monkeypatch, sliced):
+    """Where the caller's delta is off by eps per row and head (an output it rounded), dq equals the backward run
+    with the delta of the exact output (the kernel's correction in one slice, the host's on summed slices), and
+    dkv is that of the caller's delta (its contributions precede the recomputed output)."""
+    case = LATENT_CASES["mla"]
+    q, kv, idx, picks, dout = _latent_problem(case, seed=4)
+    if sliced:
+        monkeypatch.setattr(backward, "_slices", lambda programs, K, BK, device: 2)
+    out, lse = forward.forward(q, kv, kv[..., :case.Dv], idx, 0.4, picks, "zero")
+    exact = sa.row_delta(dout, out, None)
+    off = exact + 0.05 * torch.randn(exact.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    again = torch.empty_like(out)
+    dq, dkv = backward.backward_latent(dout, off, q, kv, case.Dv, lse, idx, 0.4, picks, "zero", out=again)
+    dq_exact, _ = backward.backward_latent(dout, exact, q, kv, case.Dv, lse, idx, 0.4, picks, "zero")
+    _, dkv_off = backward.backward_latent(dout, off, q, kv, case.Dv, lse, idx, 0.4, picks, "zero")
+    _close((dq,), (dq_exact,), 2e-5)
+    _same((dkv,), (dkv_off,))
+    assert not torch.allclose(dq, backward.backward_latent(dout, off, q, kv, case.Dv, lse, idx, 0.4, picks,
+                                                           "zero")[0], atol=1e-4)
+
+
 def test_latent_dropped_picks_contribute_nothing():
     """NaN / inf in a key no row keeps (dropped picks gathered nowhere): dq and dkv stay finite and match."""
     case = LATENT_CASES["key_mask"]
@@ -209,9 +252,10 @@ def test_latent_dropped_picks_contribute_nothing():
         kv[:, 0] = float("nan") if what == "v" else float("inf")
         picks = _picks(offset, key_mask)
         dout = torch.randn(q.shape[:3] + (case.Dv,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-        got = _run_latent("triton", q, kv, idx, picks, dout, case.Dv)
+        got = _run_latent("triton", q, kv, idx, picks, dout, case.Dv, recompute=True)
         assert got[2].isfinite().all() and got[3].isfinite().all() and not got[3][:, 0].any()
-        _close(got, _run_latent("naive", q, kv, idx, picks, dout, case.Dv), 2e-5)
+        assert got[4].isfinite().all()
+        _close(got, _run_latent("naive", q, kv, idx, picks, dout, case.Dv, recompute=True), 2e-5)
 
 
 def test_latent_duplicate_picks_count_twice_as_the_reference():
@@ -238,6 +282,8 @@ def test_latent_chunks_slices_and_head_blocks(monkeypatch):
     sliced = _run_latent("triton", q, kv, idx, picks, dout, case.Dv)
     _same(sliced[3:], whole[3:])
     _close(sliced[2:3], whole[2:3], 1e-6)
+    again = _run_latent("triton", q, kv, idx, picks, dout, case.Dv, recompute=True)
+    _close(again[2:], whole[2:] + whole[:1], 2e-5)  # the recomputed output from the slices' partials
     monkeypatch.setattr(backward, "CONTRIB_HEAD_BLOCK", 16)
     assert backward.contrib_heads(36, torch.float32) == 8
     _close(_run_latent("triton", q, kv, idx, picks, dout, case.Dv), want, 2e-5)
@@ -302,10 +348,12 @@ def test_latent_op_autograd_on_the_kernels():
     _close(results[0], results[2], 2e-5)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("rows", [3, 64])
-def test_absorbed_mla_op_on_the_kernels(monkeypatch, rows):
-    """hyscale.sparse_attention_mla on the kernels (forced on the CPU), 3 rows a block and all at once: values, o' and
-    the gradients of q, kv and w as on the reference; kv's gradient summed in fp32 across the blocks."""
+def test_absorbed_mla_op_on_the_kernels(monkeypatch, rows, keep):
+    """hyscale.sparse_attention_mla on the kernels (forced on the CPU), 3 rows a block and all at once: values, lse
+    and the gradients of q, kv and w (o' kept, or recomputed for w_uv's) as on the reference; kv's gradient summed
+    in fp32 across the blocks."""
     from hyscale_compile.runtime.sparse_attention import absorbed
 
     B, T, S, H, Dn, Dr, Dc, Dv, K = 1, 7, 29, 4, 16, 8, 32, 16, 8
@@ -319,8 +367,8 @@ def test_absorbed_mla_op_on_the_kernels(monkeypatch, rows):
     for backend in ("triton", "reference"):
         leaves = [x.clone().to(DEVICE).requires_grad_() for x in (q, kv, w)]
         with dispatch.force_backend(backend):
-            out, lse, lat = torch.ops.hyscale.sparse_attention_mla(*leaves, idx.to(DEVICE), Dn, 0.3, True, S - T - 2,
-                                                                    None, None, "mean")
+            out, lse, _ = torch.ops.hyscale.sparse_attention_mla(*leaves, idx.to(DEVICE), Dn, 0.3, True, S - T - 2,
+                                                                 None, None, "mean", False, keep)
             (out * gout.to(DEVICE)).sum().backward()
-        results.append((out, lse, lat, *(x.grad for x in leaves)))
+        results.append((out, lse, *(x.grad for x in leaves)))
     _close(results[0], results[1], 2e-5)

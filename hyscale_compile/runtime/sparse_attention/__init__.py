@@ -62,11 +62,17 @@ def attention_backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Ten
 
 def attention_backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor,
                               indices: Tensor, scale: float, picks: Picks, empty: str,
-                              dkv_acc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                              dkv_acc: Tensor | None = None, out: Tensor | None = None,
+                              dlse: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dq, dkv) of the latent form (v = kv[..., :Dv]): dkv = dk with dv added into its first Dv columns. With
-    ``dkv_acc`` ([B, S, G, Dqk] contiguous, ``compute_dtype(q)``), dkv is added into it and it is returned uncast."""
+    ``dkv_acc`` ([B, S, G, Dqk] contiguous, ``compute_dtype(q)``), dkv is added into it and it is returned uncast.
+    With ``out`` ([B, T, H, Dv] contiguous, q's dtype), the forward's output is recomputed into it from the p the
+    backward forms anyway (a caller that did not keep it: the absorbed MLA op); equal to the forward's up to the
+    rounding of p (normalized here, rescaled online there); ``delta`` is then the caller's approximation and
+    ``dlse`` the lse gradient in it (``naive.backward``: dq's row term is taken from the recomputed output)."""
     if _triton(q):
         from . import backward
 
-        return backward.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty, dkv_acc)
-    return naive.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty, dkv_acc)
+        return backward.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty, dkv_acc, out,
+                                        dlse)
+    return naive.backward_latent(dout, delta, q, kv, Dv, lse, indices, scale, picks, empty, dkv_acc, out, dlse)

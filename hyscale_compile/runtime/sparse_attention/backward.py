@@ -23,7 +23,8 @@ Wide tiles (the MLA layer: 128 heads x 576 + 512 features) and the latent entry 
 * the contribution kernel, one program per (query row, kv group, slice of picks) for ALL the group's heads
   (the heads are the contribution MMA's K dimension): S and dp CH feature columns at a time, p, ds; one
   contribution a pick (not one per head block), and ds (in q's dtype, as the dq MMA takes it) to a buffer;
-* the dq kernel: dq = scale * ds @ k from that buffer (no recompute of S and dp).
+* the dq kernel: dq = scale * ds @ k from that buffer (no recompute of S and dp); for a caller that did not keep
+  the forward's output (the absorbed MLA op), also o = p @ v from p stored beside ds, on the rows it gathers.
 
 The latent entry (``backward_latent``, op ``sparse_attention_latent``: v = kv[..., :Dv], kv's whole gradient
 returned) folds dv into dk per pick: its contribution is ds^T q scale + [p^T dout, 0], Dqk floats a pick, where
@@ -52,7 +53,7 @@ from . import common
 
 # used inside the kernels
 from .common import LOG2E_C, block_heads, causal_limit, chunk_row, load_picks, load_rows, mm, mm_acc, store_dq
-from .naive import Picks, add_mean_grad
+from .naive import Picks, add_mean_grad, empty_rows, value_mean
 
 # Upper bound on the contribution buffer of one chunk of query rows.
 CONTRIB_BYTES = 1 << 31
@@ -65,6 +66,9 @@ STAGES: int | None = None
 SPLIT: bool | None = None  # dq and the contributions in two passes (None: where a program's tiles are wide)
 CHUNK = 64  # contribution columns per store in the second pass of a split
 DQ_STAGES: int | None = 2  # the dq kernel's pick loop (None: STAGES)
+# Heads a dq program handles when it also recomputes the output (two fp32 accumulators, [BH, 576] and [BH, 512] in
+# the MLA layer: 64 heads would need 272 registers a thread at 8 warps); None: the dq kernel's own.
+OUT_HEAD_BLOCK: int | None = 32
 CONTRIB_PICKS: int | None = None  # picks a block of the contribution kernel (None: PICKS's rule, then ``passes``')
 CONTRIB_STAGES = 4  # the contribution kernel's feature-chunk loops pipelined this deep (1: not pipelined)
 # Programs per SM to aim for by splitting each row's picks into slices (0: one slice per row).
@@ -202,13 +206,13 @@ def _contrib_chunk(q_row, do_row, dst, ds_t, p_t, ok, hmask, c0, hb, scale, DA, 
 
 @triton.jit
 def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_ptr, km_ptr, place_ptr,
-                    contrib_ptr, ds_ptr, T, S, K, H, HG, NHB, G, Dqk, Dv, W, offset, scale, scale_log2,
+                    contrib_ptr, ds_ptr, p_ptr, T, S, K, H, HG, NHB, G, Dqk, Dv, W, offset, scale, scale_log2,
                     sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, sdo_b, sdo_t, sdo_h, skm_b, skm_s,
                     t0, R, slice_picks, q_t0, do_t0,
                     CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, ALIAS: tl.constexpr,
                     FOLD: tl.constexpr, MULTI_HB: tl.constexpr, PREC: tl.constexpr, DA: tl.constexpr,
                     BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-                    CH: tl.constexpr, CSTAGES: tl.constexpr):
+                    CH: tl.constexpr, CSTAGES: tl.constexpr, STORE_P: tl.constexpr):
     # The contribution pass of a split backward: one program per (query row, kv group, slice of picks) for ALL
     # the group's heads, so each pick gets one contribution (W = Dqk + Dv columns, or Dqk with FOLD: dv added
     # into dk's first Dv columns). Per block of BK picks and head block: S = q k^T and dp = dout v^T
@@ -216,7 +220,8 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
     # gathered k chunk is the v chunk too), p and ds, then the contribution CH columns at a time,
     # ds^T q (* scale) (+ p^T dout), the heads being the MMA's K dimension. Head blocks past the first (more
     # than BH heads a group) add theirs to the stored columns in order (the program's own: no other reads them).
-    # ds (in q's dtype, as the dq MMA takes it) goes to ds_ptr [chunk rows, H, K] for the dq kernel. The chunk
+    # ds (in q's dtype, as the dq MMA takes it) goes to ds_ptr [chunk rows, H, K] for the dq kernel, and with
+    # STORE_P p (rounded as the contribution MMA takes it) to p_ptr, for the dq kernel's recomputed output. The chunk
     # loops are loops, not unrolled, so that the pipeliner overlaps a chunk's loads (the gathered rows) with the
     # previous chunk's MMAs: CSTAGES deep, one buffer set of a chunk (q, k, dout: ~40 KB at 128 heads) a stage.
     # q and dout rows are [H, D] blocks: q_t0 / do_t0 is the first row of a chunk's row-major copy (0: none).
@@ -258,9 +263,13 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
             p = tl.where(kept, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
             # as in the row kernel: dropped picks and padded heads get ds = 0 outright; 16-bit: ds, p rounded
             ds = tl.where(kept, p * (dp - delta[:, None]), 0.0).to(q_ptr.dtype.element_ty)
-            tl.store(ds_ptr + (pid * H + h)[:, None] * K + (k0 + tl.arange(0, BK))[None, :], ds, mask=kept)
+            at = (pid * H + h)[:, None] * K + (k0 + tl.arange(0, BK))[None, :]
+            tl.store(ds_ptr + at, ds, mask=kept)
+            p16 = p.to(do_ptr.dtype.element_ty)
+            if STORE_P:
+                tl.store(p_ptr + at, p16, mask=kept)
             ds_t = tl.trans(ds)
-            p_t = tl.trans(p.to(do_ptr.dtype.element_ty))
+            p_t = tl.trans(p16)
             if MULTI_HB:
                 tl.debug_barrier()  # the previous head block's stores are visible to this one's loads
             for c0 in tl.range(0, BDA, CH, num_stages=CSTAGES):
@@ -286,14 +295,21 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
 
 
 @triton.jit
-def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, B, T, S, K, H, HG, NHB, G, Dqk, offset, scale,
-               sk_b, sk_s, sk_g, skm_b, skm_s, t0, R, slice_picks, dq_T, dq_t0,
+def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, do_ptr, shift_ptr, B, T, S, K, H,
+               HG, NHB, G, Dqk, offset, scale, sk_b, sk_s, sk_g, skm_b, skm_s, sdo_b, sdo_t, sdo_h, t0, R,
+               slice_picks, dq_T, dq_t0, O_W,
                CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, PREC: tl.constexpr,
-               DA: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+               DA: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+               WITH_O: tl.constexpr, CORRECT: tl.constexpr):
     # dq of a split backward from the ds the contribution kernel stored: dq = scale * ds @ k over a row's kept
     # picks (dropped ones: ds not stored, loaded as 0; their rows load nothing). One program per (query row,
     # kv group, block of BH heads, slice of picks), the head blocks of a row adjacent in launch order (they
-    # gather the same key rows).
+    # gather the same key rows). WITH_O (the latent layout, v = the A block): also o = p @ k from the stored p,
+    # on the same gathered rows: its A block is the forward's output (stored O_W wide: DA, or Dqk with the tail
+    # for a slice's partial). CORRECT (one slice a row, so o is whole): dq takes the softmax row term
+    # consistent with the dp the contributions used, rowsum(dout * o) - dlse, in place of the caller's (from the
+    # model's rounded output): ds - p * eps summed against k is dq - eps * o, eps = rowsum(dout * o) - shift,
+    # shift = the caller's delta + dlse.
     GH = G * NHB
     flat = tl.program_id(0).to(tl.int64)
     pid = flat // GH
@@ -307,6 +323,10 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, B, T, S, K, H, 
     if BDB > 0:
         cb = DA + tl.arange(0, BDB)
         dqb = tl.zeros((BH, BDB), tl.float32)
+    if WITH_O:
+        oa = tl.zeros((BH, BDA), tl.float32)
+        if BDB > 0:
+            ob = tl.zeros((BH, BDB), tl.float32)
     k_base = k_ptr + b * sk_b + g * sk_g
     idx_row = idx_ptr + row * K
     km_row = km_ptr + b * skm_b
@@ -315,15 +335,34 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, B, T, S, K, H, 
     j_hi = tl.minimum(j_lo + slice_picks, K)
     for k0 in range(j_lo, j_hi, BK):
         ids, ok = load_picks(idx_row, k0, j_hi, S, lim, km_row, skm_s, CAUSAL, HAS_KM, BK)
-        ds = tl.load(ds_ptr + (pid * H + h)[:, None] * K + (k0 + tl.arange(0, BK))[None, :],
-                     mask=hmask[:, None] & ok[None, :], other=0.0)
-        dqa = mm_acc(ds, load_rows(k_base, ids, ok, sk_s, ca, DA), dqa, PREC)
+        at = (pid * H + h)[:, None] * K + (k0 + tl.arange(0, BK))[None, :]
+        ds = tl.load(ds_ptr + at, mask=hmask[:, None] & ok[None, :], other=0.0)
+        ka = load_rows(k_base, ids, ok, sk_s, ca, DA)
+        dqa = mm_acc(ds, ka, dqa, PREC)
+        if WITH_O:
+            p = tl.load(p_ptr + at, mask=hmask[:, None] & ok[None, :], other=0.0)
+            oa = mm_acc(p, ka, oa, PREC)
         if BDB > 0:
-            dqb = mm_acc(ds, load_rows(k_base, ids, ok, sk_s, cb, Dqk), dqb, PREC)
+            kb = load_rows(k_base, ids, ok, sk_s, cb, Dqk)
+            dqb = mm_acc(ds, kb, dqb, PREC)
+            if WITH_O:
+                ob = mm_acc(p, kb, ob, PREC)
+    if CORRECT:
+        do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
+        do = tl.load(do_row + ca[None, :], mask=hmask[:, None] & (ca < DA)[None, :], other=0.0).to(tl.float32)
+        eps = tl.sum(do * oa, 1) - tl.load(shift_ptr + row * H + h, mask=hmask, other=0.0)
+        dqa -= eps[:, None] * oa
+        if BDB > 0:
+            dqb -= eps[:, None] * ob
     dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
     store_dq(dq_ptr, dq_row, ca, dqa, scale, hmask, DA, Dqk)
     if BDB > 0:
         store_dq(dq_ptr, dq_row, cb, dqb, scale, hmask, Dqk, Dqk)
+    if WITH_O:
+        store_dq(o_ptr, dq_row, ca, oa, 1.0, hmask, DA, O_W)
+        if BDB > 0:
+            if O_W > DA:
+                store_dq(o_ptr, dq_row, cb, ob, 1.0, hmask, Dqk, O_W)
 
 
 @triton.jit
@@ -404,14 +443,21 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 
 
 def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor, indices: Tensor,
-                    scale: float, picks: Picks, empty: str, dkv_acc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    scale: float, picks: Picks, empty: str, dkv_acc: Tensor | None = None,
+                    out: Tensor | None = None, dlse: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dq, dkv) in the inputs' dtypes, v being kv[..., :Dv] (contract: ``naive.backward_latent``): dkv = dk with
     dv added into its first Dv columns, each pick's contribution summed (ds^T q scale + p^T dout) before it is
     stored, so the buffer holds Dqk floats a pick instead of Dqk + Dv.
 
     ``dkv_acc`` (fp32 [B, S, G, Dqk], contiguous): kv's gradient is added into it (and returned, in fp32), so that
     a caller running the query rows in blocks sums it in fp32 across them; each key still adds its picks in (row,
-    pick) order, so the bits are those of one call over all the rows."""
+    pick) order, so the bits are those of one call over all the rows.
+
+    ``out`` ([B, T, H, Dv], contiguous, q's dtype): the forward's output is recomputed into it, o = p @ v by the
+    dq kernel from the p the contribution kernel stores (rounded as its MMA takes it) and the rows it gathers for
+    dq anyway; empty rows as the forward gives them. ``delta`` is then the caller's approximation (from an output
+    it did not keep, e.g. the model's rounded projection of it), with ``dlse`` (or None) the lse gradient it holds:
+    dq takes the row term consistent with the recomputed output (``naive.backward`` says why), dkv the caller's."""
     B, T, H, Dqk = q.shape
     S, G, K = kv.shape[1], kv.shape[2], indices.shape[-1]
     dq = torch.zeros(B, T, H, Dqk, dtype=q.dtype, device=q.device)  # the kernels round their fp32 sums once
@@ -421,11 +467,19 @@ def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int,
         assert dkv_acc.dtype == torch.float32 and dkv_acc.is_contiguous() and dkv_acc.shape == (B, S, G, Dqk)
         acc = dkv_acc.view(B * S, G * Dqk)
     kv = common.last_dim_unit(kv)
+    if out is not None:
+        assert out.shape == (B, T, H, Dv) and out.dtype == q.dtype and out.is_contiguous(), "out: [B, T, H, Dv]"
+        if not (B * T * H > 0 and K > 0 and S > 0):
+            out.zero_()
     if B * T * H > 0 and K > 0 and S > 0:
-        _run(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, dq, acc, fold=True)
+        _run(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, dq, acc, fold=True, out=out, dlse=dlse)
     dkv = acc.view(B, S, G, Dqk)
     if empty == "mean":
         add_mean_grad(dkv[..., :Dv], dout, lse)
+        if out is not None:  # empty rows: p = 0 gave 0, the forward gave the mean of v
+            HG = H // G
+            vmean = value_mean(kv[..., :Dv]).repeat_interleave(HG, 1)[:, None].to(out.dtype)
+            out.copy_(torch.where(empty_rows(lse)[..., None], vmean, out))
     return dq, (dkv if dkv_acc is not None else dkv.to(kv.dtype))
 
 
@@ -434,7 +488,8 @@ def contrib_heads(HG: int, dtype: torch.dtype) -> int:
     return min(common.pow2(HG), CONTRIB_HEAD_BLOCK if dtype != torch.float32 else CONTRIB_HEAD_BLOCK // 2)
 
 
-def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, acc: Tensor, fold: bool) -> None:
+def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, acc: Tensor, fold: bool,
+         out: Tensor | None = None, dlse: Tensor | None = None) -> None:
     B, T, H, Dqk = q.shape
     S, G, Dv, K = k.shape[1], k.shape[2], v.shape[3], indices.shape[-1]
     HG, W = H // G, acc.shape[1] // G
@@ -447,16 +502,22 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     BH, launches = passes(HG, BDA, BDB, BDV, q.dtype, K, fold)
     NHB = triton.cdiv(HG, BH)
     split = len(launches) > 1
+    assert split or out is None, "the output is recomputed by the split backward's dq kernel"
+    BHQ = BH if out is None else min(BH, OUT_HEAD_BLOCK or BH)  # heads a dq program
+    NHBQ = triton.cdiv(HG, BHQ)
     CBH = contrib_heads(HG, q.dtype)
     CNHB = triton.cdiv(HG, CBH)
     contrib_blocks = 1 if split else NHB  # a contribution per pick (all heads), or per pick and head block
     step = max(launch[2] for launch in launches)  # slices are a multiple of every pass's BK (powers of two)
-    ds_bytes = H * q.element_size() if split else 0  # a split backward's ds [rows, H, K] for the dq kernel
+    # a split backward's ds [rows, H, K] for the dq kernel (and p beside it where the output is recomputed)
+    ds_bytes = H * q.element_size() * (2 if out is not None else 1) if split else 0
     rows = max(1, min(T, CONTRIB_BYTES // (B * K * (contrib_blocks * G * W * 4 + ds_bytes))))
     contrib = torch.empty(B * rows * K * contrib_blocks * G * W, dtype=torch.float32, device=q.device)
     ds = torch.empty(B * rows * H * K if split else 0, dtype=q.dtype, device=q.device)
+    p_buf = torch.empty(B * rows * H * K if out is not None else 0, dtype=q.dtype, device=q.device)
     idx = indices.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
+    shift = delta if dlse is None else (delta + dlse.float()).contiguous()  # rowsum(dout * the caller's output)
     offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
     km = picks.key_mask.view(torch.uint8) if picks.key_mask is not None else idx
     km_strides = km.stride() if picks.key_mask is not None else (0, 0)
@@ -471,12 +532,14 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
         place, keys, ends = pick_order(idx[:, t0:t0 + R], t0, S, picks)
-        P = _slices(B * R * G * NHB, K, step, q.device)
+        P = _slices(B * R * G * (NHBQ if split else NHB), K, step, q.device)
         slice_picks = triton.cdiv(triton.cdiv(K, P), step) * step
         P = triton.cdiv(K, slice_picks)
-        dq_out, dq_T, dq_t0 = dq, T, 0
+        dq_out, o_out, dq_T, dq_t0 = dq, out, T, 0
         if P > 1:
             dq_out, dq_T, dq_t0 = torch.empty(P, B, R, H, Dqk, dtype=torch.float32, device=q.device), R, t0
+            if out is not None:  # o and its tail, for the row term of the summed dq
+                o_out = torch.empty(P, B, R, H, Dqk, dtype=torch.float32, device=q.device)
         if not split:
             _, _, BK, _, warps, stages = launches[0]
             _row_kernel[(B * R, G * NHB, P)](
@@ -492,15 +555,22 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
             c_picks = triton.cdiv(triton.cdiv(K, PC), BK) * BK
             (q_c, q_t0), (do_c, do_t0) = _row_major_rows(q, t0, R), _row_major_rows(dout, t0, R)
             _contrib_kernel[(B * R, G, triton.cdiv(K, c_picks))](
-                q_c, k, v, do_c, lse, delta, idx, offs, km, place, contrib, ds, T, S, K, H, HG, CNHB, G, Dqk, Dv, W,
-                int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides_of(q_c, do_c), t0, R, c_picks,
-                q_t0, do_t0, ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH,
-                CSTAGES=CONTRIB_STAGES, num_warps=warps, num_stages=stages, **flags)
-            _dq_kernel[(B * R * G * NHB, P)](
-                k, idx, offs, km, ds, dq_out, B, T, S, K, H, HG, NHB, G, Dqk, int(picks.offset), float(scale),
-                *k.stride()[:3], *km_strides, t0, R, slice_picks, dq_T, dq_t0, BH=BH, BK=BKQ,
-                num_warps=warps_q, num_stages=stages_q, **flags)
-        if P > 1:
+                q_c, k, v, do_c, lse, delta, idx, offs, km, place, contrib, ds, p_buf, T, S, K, H, HG, CNHB, G, Dqk,
+                Dv, W, int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides_of(q_c, do_c), t0, R,
+                c_picks, q_t0, do_t0, ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH,
+                CSTAGES=CONTRIB_STAGES, STORE_P=out is not None, num_warps=warps, num_stages=stages, **flags)
+            _dq_kernel[(B * R * G * NHBQ, P)](
+                k, idx, offs, km, ds, dq_out, p_buf, dq_out if o_out is None else o_out, dout, shift, B, T, S, K, H,
+                HG, NHBQ, G, Dqk, int(picks.offset), float(scale), *k.stride()[:3], *km_strides, *dout.stride()[:3],
+                t0, R, slice_picks, dq_T, dq_t0, Dv if P == 1 else Dqk, BH=BHQ, BK=BKQ, WITH_O=out is not None,
+                CORRECT=out is not None and P == 1, num_warps=warps_q, num_stages=stages_q, **flags)
+        if P > 1 and out is not None:  # the row term's correction on the summed partials (the kernel's, in fp32)
+            o_full = o_out.sum(0)
+            rows_t = slice(t0, t0 + R)
+            eps = (dout[:, rows_t].float() * o_full[..., :Dv]).sum(-1) - shift[:, rows_t]
+            dq[:, rows_t] = dq_out.sum(0) - float(scale) * eps[..., None] * o_full
+            out[:, rows_t] = o_full[..., :Dv]
+        elif P > 1:
             dq[:, t0:t0 + R] = dq_out.sum(0)
         n = keys.numel()
         _segment_kernel[(triton.cdiv(n, SEGMENT_KEYS), triton.cdiv(G * W, SEGMENT_COLS))](

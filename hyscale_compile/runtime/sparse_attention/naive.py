@@ -153,12 +153,31 @@ def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, pick
     return out, lse
 
 
+def _output(p: Tensor, vg: Tensor, lse: Tensor, vmean: Tensor | None) -> Tensor:
+    """[B, R, G, HG, Dv]: the forward's output from p [B, R, G, HG, K] (normalized by lse), its empty rows (lse
+    -inf, p 0) per the empty rule (vmean given: empty="mean")."""
+    o = torch.einsum("brghk,brkgd->brghd", p, vg)
+    if vmean is not None:
+        empty = torch.isinf(lse).view(*p.shape[:4], 1)
+        o = torch.where(empty, vmean[:, None, :, None, :], o)
+    return o
+
+
 def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, indices: Tensor,
-             scale: float, picks: Picks, empty: str, fold: bool = False,
-             dkv_acc: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+             scale: float, picks: Picks, empty: str, fold: bool = False, dkv_acc: Tensor | None = None,
+             out: Tensor | None = None, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv) in the inputs' dtypes. delta [B, T, H] = rowsum(dout * out) - dlse. ``fold``
     (``backward_latent``): dv added into dk's first Dv columns, None for dv; with ``dkv_acc`` ([B, S, G, Dqk] in
-    the compute dtype) that sum is added into it and it is returned in place of dk.
+    the compute dtype) that sum is added into it and it is returned in place of dk. ``out`` ([B, T, H, Dv]): the
+    forward's output, recomputed from p, is written into it (for a caller that did not keep it).
+
+    With ``out``, ``delta`` is the caller's approximation, from an output it did not keep (``dlse``: the lse
+    gradient it includes, or None), and dq takes the row term consistent with the recomputed o instead:
+    ds' = ds - p * eps, eps = rowsum(dout * o) - dlse - delta, so dq = scale * (ds @ k - eps * (p @ k)). The
+    softmax backward needs delta = sum_j p_j dp_j for the dp it forms; from a rounded output (another rounding of
+    dout than the one dp is formed from: the absorbed MLA op's dout * out over the projected features) the
+    difference is not a rounding of ds but a bias p * eps in every pick, which dq would sum over the row's picks.
+    dk and dv keep the caller's delta (their sums over the rows that pick a key are formed before o is known).
 
     p = exp(scale * q.k - lse), dp = dout . v, ds = p * (dp - delta); dq = scale * ds @ k,
     dk = scale * ds^T @ q, dv = p^T @ dout over the kept picks; index_add_ is deterministic on the CPU.
@@ -169,6 +188,7 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     dq = torch.empty(B, T, H, Dqk, dtype=ct, device=q.device)
     dk = torch.zeros(B * S, G, Dqk, dtype=ct, device=q.device)
     dv = torch.zeros(B * S, G, Dv, dtype=ct, device=q.device)
+    vmean = value_mean(v) if out is not None and empty == "mean" else None
     step = rows_per_block(B, K, G, Dqk + Dv)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
@@ -177,7 +197,15 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
         dog = dout[:, t0:t1].to(ct).view(B, R, G, H // G, Dv)
         dp = torch.einsum("brghd,brkgd->brghk", dog, vg)
         ds = torch.where(kept[:, :, None, None, :], p * (dp - delta[:, t0:t1].to(ct).view(B, R, G, H // G, 1)), 0.0)
-        dq[:, t0:t1] = (torch.einsum("brghk,brkgd->brghd", ds, kg) * scale).reshape(B, R, H, Dqk)
+        dq_t = torch.einsum("brghk,brkgd->brghd", ds, kg)
+        if out is not None:
+            o = _output(p, vg, lse[:, t0:t1], vmean)
+            out[:, t0:t1] = o.reshape(B, R, H, Dv).to(out.dtype)
+            eps = (dog * o).sum(-1, keepdim=True) - delta[:, t0:t1].to(ct).view(B, R, G, H // G, 1)
+            if dlse is not None:
+                eps = eps - dlse[:, t0:t1].to(ct).view(B, R, G, H // G, 1)
+            dq_t = dq_t - eps * torch.einsum("brghk,brkgd->brghd", p, kg)
+        dq[:, t0:t1] = (dq_t * scale).reshape(B, R, H, Dqk)
         flat = (torch.where(kept, indices[:, t0:t1].long(), 0)
                 + torch.arange(B, device=q.device).view(-1, 1, 1) * S).reshape(-1)
         rows = kept[:, :, :, None, None]  # a dropped pick adds nothing to key 0 (0 * an inf query is NaN)
@@ -198,10 +226,11 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 
 
 def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int, lse: Tensor, indices: Tensor,
-                    scale: float, picks: Picks, empty: str, dkv_acc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    scale: float, picks: Picks, empty: str, dkv_acc: Tensor | None = None,
+                    out: Tensor | None = None, dlse: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dq, dkv) of the latent form, v = kv[..., :Dv]: dkv is the whole gradient of kv, dk with dv added into its
     first Dv columns (in fp32, before the cast to kv's dtype); with ``dkv_acc`` (compute dtype) added into it
-    instead, uncast (for a caller that runs the query rows in blocks)."""
+    instead, uncast (for a caller that runs the query rows in blocks); ``out`` and ``dlse`` as for ``backward``."""
     dq, dkv, _ = backward(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, empty, fold=True,
-                          dkv_acc=dkv_acc)
+                          dkv_acc=dkv_acc, out=out, dlse=dlse)
     return dq, dkv
