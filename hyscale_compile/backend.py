@@ -35,6 +35,9 @@ class HyscaleOptions:
     attention: run the attention pass after the selection pass (dense attention under a scattered top-k mask
                becomes hyscale.sparse_attention where that is estimated faster); "always": at every provable
                site, faster or not; False keeps the model's dense attention.
+    recompute_latent: absorbed MLA attention recomputes its per-head latent output o' in the backward instead
+               of keeping it from the forward: T x H x kv_lora_rank values less at the backward's peak (8.6 GB
+               for a DeepSeek-V3.2 layer at T = 65536), for more attention time (benchmarks/NOTES-sparse-attention.md).
     """
 
     debug_dir: str | None = None
@@ -43,6 +46,7 @@ class HyscaleOptions:
     compiler: str = "inductor"
     mode: str | None = None
     attention: bool | str = True
+    recompute_latent: bool = False
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None, mode: str | None = None
@@ -80,9 +84,10 @@ class HyscaleOptions:
 
 
 _TYPES = {"debug_dir": (str, os.PathLike, type(None)), "rewrite": bool, "attention": (bool, str), "replay": bool,
-          "compiler": str, "mode": (str, type(None))}
+          "compiler": str, "mode": (str, type(None)), "recompute_latent": bool}
 _EXPECTED = {"debug_dir": "a path (str) or None", "rewrite": "True or False", "attention": "True, False or 'always'",
-             "replay": "True or False", "compiler": "a str", "mode": "a str or None"}
+             "replay": "True or False", "compiler": "a str", "mode": "a str or None",
+             "recompute_latent": "True or False"}
 
 
 def _check_type(name: str, value: Any) -> None:
@@ -172,7 +177,8 @@ def hyscale(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[s
     if opts.rewrite:
         reports = selection.run(gm, debug_dir=opts.debug_dir)
         if opts.attention:
-            sites = attention.run(gm, debug_dir=opts.debug_dir, always=True if opts.attention == "always" else None)
+            sites = attention.run(gm, debug_dir=opts.debug_dir, always=True if opts.attention == "always" else None,
+                                  keep_latent=not opts.recompute_latent)
             attention.amend_selection_reports(reports, sites)
             reports += sites
         else:

@@ -228,7 +228,7 @@ def test_empty_rows_like_eager_gives_the_additive_masks_gradient():
 # the spellings
 
 
-def _compiled_and_eager(module, args):
+def _compiled_and_eager(module, args, **options):
     """(compiled outputs, eager outputs, compiled grads, eager grads) of ``module(*args)``; grads of the float
     inputs that require grad and of the module's parameters, for a random output gradient."""
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + list(module.parameters())
@@ -240,7 +240,7 @@ def _compiled_and_eager(module, args):
         grads = torch.autograd.grad(loss, leaves) if leaves else ()
         return [o.detach() for o in out], grads
 
-    got = run(torch.compile(module, backend="hyscale", options={"compiler": "eager"}))
+    got = run(torch.compile(module, backend="hyscale", options={"compiler": "eager", **options}))
     want = run(module)
     return got[0], want[0], got[1], want[1]
 
@@ -281,6 +281,37 @@ def test_mla_absorbed_and_per_head_fallback(attn):
     assert site.layout == "per-head (MHA)" and "projection without bias" in site.reason
     for a, b in zip(out + list(grads), ref + list(ref_grads)):
         torch.testing.assert_close(a, b, **GRAD_TOL)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_mla_recompute_latent_option(attn):
+    """options["recompute_latent"]: the absorbed op is emitted without keeping o' (keep_latent False), said in the
+    report; eager's values and gradients all the same."""
+    module, args = da.make_mla(attn, requires_grad=True)
+    emitted = []
+    real = torch.ops.hyscale.sparse_attention_mla.default
+
+    with report.collect() as reports:
+        out, ref, grads, ref_grads = _compiled_and_eager(module, args, recompute_latent=True)
+    (site,) = [r for r in reports if r.kind == "attention"]
+    assert site.decision == "rewritten" and "recomputed in the backward" in site.reason, site.reason
+    for a, b in zip(out + list(grads), ref + list(ref_grads)):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+
+    def capture(gm, example_inputs):
+        emitted.extend(n.args for n in gm.graph.nodes if n.target is real)
+        return gm.forward
+
+    from hyscale_compile import backend as backend_mod
+    compiled = torch.compile(module, backend=lambda gm, ex: capture(*_passes_only(gm, ex, backend_mod)))
+    compiled(*args)
+    assert emitted and all(a[-1] is False for a in emitted), emitted
+
+
+def _passes_only(gm, example_inputs, backend_mod):
+    backend_mod.hyscale(gm, example_inputs, options={"compiler": "eager", "recompute_latent": True,
+                                                     "attention": "always"})
+    return gm, example_inputs
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -46,10 +46,12 @@ def _graph_modules(gm: fx.GraphModule):
             yield (name or "graph"), mod
 
 
-def run(gm: fx.GraphModule, debug_dir: str | None = None, always: bool | None = None) -> list[SiteReport]:
+def run(gm: fx.GraphModule, debug_dir: str | None = None, always: bool | None = None,
+        keep_latent: bool = True) -> list[SiteReport]:
     """Rewrite every provable attention site of ``gm`` and its subgraphs where the op is estimated faster than
     the model's attention (``attention_cost``), or every provable one with ``always`` (None: the default,
-    ``HYSCALE_ATTENTION``); one report per site."""
+    ``HYSCALE_ATTENTION``); one report per site. ``keep_latent`` False: absorbed MLA sites recompute their latent
+    output o' in the backward instead of keeping it (options["recompute_latent"])."""
     always = cost_.always() if always is None else always
     reports: list[SiteReport] = []
     dumping = bool(debug_dir) or debug.tracing()
@@ -58,7 +60,7 @@ def run(gm: fx.GraphModule, debug_dir: str | None = None, always: bool | None = 
         found = sites_.candidates(sub.graph)
         for node in found:
             if node.graph is sub.graph and node in sub.graph.nodes:
-                reports.append(_run_site(sub, name, node, always))
+                reports.append(_run_site(sub, name, node, always, keep_latent))
         if any(r.decision == "rewritten" and r.graph == name for r in reports):
             sub.graph.lint()
             sub.recompile()
@@ -67,7 +69,8 @@ def run(gm: fx.GraphModule, debug_dir: str | None = None, always: bool | None = 
     return reports
 
 
-def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: bool = False) -> SiteReport:
+def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: bool = False,
+              keep_latent: bool = True) -> SiteReport:
     report = SiteReport(graph=graph_name, node=scatter.name, source=source_line(scatter), decision="rejected",
                         reason="", kind="attention")
     undo = _functionalize_scatter(gm.graph, scatter)
@@ -86,7 +89,10 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: boo
         estimate = _check_pays(site, latent, always, why_not)
         layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
         notes.append(estimate)
-        rewrite_.rewrite(gm, site, plan, latent)
+        if latent is not None and not keep_latent:
+            notes.append("o' (the per-head latent output) recomputed in the backward, not kept "
+                         "(options['recompute_latent'])")
+        rewrite_.rewrite(gm, site, plan, latent, keep_latent)
         notes.extend(_order_the_picks(site.origin))
         report.decision, report.layout, report.reason = "rewritten", layout, "; ".join(notes)
     except Exception as err:  # a Reject, or a bug of ours, which must never break the user's compile

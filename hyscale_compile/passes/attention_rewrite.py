@@ -54,14 +54,14 @@ def _place(graph: fx.Graph, term: Term, order: tuple, sizes: tuple) -> fx.Node:
     return graph.call_method("expand", (canonical(graph, term.node, term.labels, order), *sizes))
 
 
-def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | None) -> None:
+def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | None, keep_latent: bool = True) -> None:
     graph = gm.graph
     att = site.attention
     existing = set(graph.nodes)
     written, by_caller = writes_before_backward(att.node, requires_grad(att.node))
     try:
         with graph.inserting_before(att.node):
-            out = _emit(graph, site, plan, latent)
+            out = _emit(graph, site, plan, latent, keep_latent)
             result, replaced = _model_layout(graph, att, out)
         for n in [n for n in graph.nodes if n not in existing and n.target in _SAVED]:
             tensors, small = _SAVED[n.target]
@@ -146,7 +146,7 @@ def _strides_of(node: fx.Node) -> str | None:
     return None
 
 
-def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) -> fx.Node:
+def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None, keep_latent: bool = True) -> fx.Node:
     """The op's output, [B, T, H, Dv] contiguous."""
     att = site.attention
     q = att.q
@@ -175,7 +175,7 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None) ->
         q, kv = _latent_operands(graph, att.q, latent, B, S)
         out = graph.call_function(torch.ops.hyscale.sparse_attention_mla.default, (
             q, kv, _weight_heads(graph, latent), idx, latent.Dn, float(att.scale), plan.causal, offset, None,
-            key_mask, plan.empty, eager_empty_grad))
+            key_mask, plan.empty, eager_empty_grad, *(() if keep_latent else (False,))))
         return graph.call_function(operator.getitem, (out, 0))
     qx = graph.call_method("transpose", (q if cast is None else graph.call_method("to", (q, cast)), 1, 2))
     kx, vx = (_kv_operand(graph, x, B, shape(q)[0], cast) for x in (att.k, att.v))
