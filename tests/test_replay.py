@@ -323,3 +323,29 @@ def test_random_op_after_the_selection_keeps_its_forward_draw(compiler):
     kept = (out != 0).float()
     assert 0 < kept.mean() < 1
     torch.testing.assert_close(x.grad, kept * 2.0)
+
+
+def test_cache_key_covers_every_op_registration(tmp_path, monkeypatch):
+    """The pass's uuid (Inductor's and AOTAutograd's cache key) hashes every module registering our ops: their
+    autograd formulas are traced into the cached joint graph, so a changed one must not be served stale (an
+    upgrade changing an op's backward arguments would otherwise call it with the old ones)."""
+    from pathlib import Path
+
+    import hyscale_compile.lowering as lowering
+
+    registering = {p.name for p in Path(lowering.__file__).parent.glob("*.py")
+                   if "torch.library" in p.read_text() or "custom_op" in p.read_text()}
+    assert {"ops.py", "attention.py", "attention_mla.py"} <= registering
+    assert registering <= {p.name for p in replay._SOURCES}
+    uuids, sources = [], replay._SOURCES
+    for version in ("old", "new"):  # two trees (the file hash is cached by path)
+        (tmp_path / version).mkdir()
+        copies = []
+        for p in sources:
+            text = p.read_text() + ("\n# an autograd formula changed\n" if version == "new" and
+                                    p.name == "attention_mla.py" else "")
+            copies.append(tmp_path / version / f"{len(copies)}_{p.name}")
+            copies[-1].write_text(text)
+        monkeypatch.setattr(replay, "_SOURCES", tuple(copies))
+        uuids.append(replay.ReplayPass().uuid())
+    assert uuids[0] != uuids[1]

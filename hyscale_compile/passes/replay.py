@@ -42,7 +42,10 @@ from . import debug
 from .report import log, shown
 
 _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
-_SOURCES = (Path(__file__), Path(__file__).parent.parent / "lowering" / "ops.py")
+# The cache key's sources: this pass, and every op registration (their fake rules and autograd formulas are traced
+# into the joint graph, which AOTAutograd's cache keeps: an older formula's backward must not be served after an
+# upgrade; the graph handed to Inductor changes with the passes, the runtime is called, not traced).
+_SOURCES = (Path(__file__), *sorted((Path(__file__).parent.parent / "lowering").glob("*.py")))
 
 
 def _must_recompute(node: fx.Node) -> bool:
