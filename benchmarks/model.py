@@ -14,17 +14,24 @@ own loss. Modes:
                      the absorbed MLA layout (the per-head K and V are never built) where the pass estimates it
                      faster than the model's dense attention (else as hyscale_select)
     hyscale_sparse   options={"attention": "always"}: sparse attention at every provable site, faster or not
+    hyscale_recompute  options={"recompute_latent": True}: as hyscale, the absorbed op recomputing its per-head
+                     latent output in the backward instead of keeping it (less memory, more attention time)
 
-Per row: T, H, k, ms per step of each mode, peak bytes of each mode, the loss (equal across modes up to bf16
-rounding), the hyscale counters and each attention site's decision and layout. A mode that runs out of memory
-is recorded as "OOM at N GiB". The inputs run with HF's cache on (``use_cache=True``) and no padding mask, so the
-model's own mask is the causal rule alone: without a cache and a 2-D attention mask HF builds a data-dependent
-packed-sequence mask of T x S. (Up to transformers 5.17 that cache stores the per-head keys and values: they are
-still built, and the attention runs in the latent layout all the same.)
+Per row: T, H, k, the inputs, ms per step of each mode, peak bytes of each mode, the loss (equal across modes up
+to bf16 rounding), the hyscale counters and each attention site's decision and layout. A mode that runs out of
+memory is recorded as "OOM at N GiB". Inputs (``--inputs``):
+
+    training   what a training step passes: ``use_cache=False`` and a 2-D attention mask (all ones: HF's data
+               collators always pass one), so the model's mask is causal & padding
+    cache      ``use_cache=True`` and no attention mask (the rows before this option): without a cache and a 2-D
+               mask HF builds a data-dependent packed-sequence mask of T x S. The cache stores the per-head keys
+               and values (up to transformers 5.17): they are built and kept through the step in every mode,
+               though in the latent layout nothing else reads them.
 
     python benchmarks/model.py                       # H200: T = 16384, 32768, 65536; H = 128 and 16
     python benchmarks/model.py --contexts 16384 --heads 128 --modes hyscale,hyscale_select
     python benchmarks/model.py --contexts 65536 --heads 128 --modes hyscale_sparse --profile  # where a step goes
+    python benchmarks/model.py --inputs cache        # the cached rows of earlier commits
     python benchmarks/model.py --smoke               # tiny config, any device, prints only
 """
 
@@ -47,9 +54,10 @@ from hyscale_compile.passes import report  # noqa: E402
 
 CONTEXTS = [16384, 32768, 65536]
 HEADS = [128, 16]
-MODES = ["hyscale", "hyscale_sparse", "hyscale_select", "inductor", "eager"]  # most telling first when time is short
+MODES = ["hyscale", "hyscale_recompute", "hyscale_sparse", "hyscale_select", "inductor", "eager"]  # most telling first
 MODE_KEYS = {"eager": "eager_ms", "inductor": "inductor_ms", "hyscale_select": "hyscale_select_only_ms",
-             "hyscale": "hyscale_ms", "hyscale_sparse": "hyscale_sparse_ms"}
+             "hyscale": "hyscale_ms", "hyscale_sparse": "hyscale_sparse_ms",
+             "hyscale_recompute": "hyscale_recompute_ms"}
 
 LAYER = dict(hidden_size=7168, intermediate_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
              qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=2048,
@@ -58,7 +66,10 @@ SMOKE = dict(hidden_size=64, intermediate_size=96, q_lora_rank=32, kv_lora_rank=
              qk_rope_head_dim=8, v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=8, vocab_size=128)
 
 
-def build(heads: int, T: int, smoke: bool, device: str, dtype: torch.dtype):
+INPUTS = ("training", "cache")
+
+
+def build(heads: int, T: int, smoke: bool, device: str, dtype: torch.dtype, inputs: str = "training"):
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     sizes = SMOKE if smoke else LAYER
@@ -71,7 +82,9 @@ def build(heads: int, T: int, smoke: bool, device: str, dtype: torch.dtype):
     model = model.to(dtype).train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, T), generator=g).to(device)
-    return model, dict(input_ids=ids, labels=ids, use_cache=True)
+    if inputs == "cache":
+        return model, dict(input_ids=ids, labels=ids, use_cache=True)
+    return model, dict(input_ids=ids, labels=ids, use_cache=False, attention_mask=torch.ones_like(ids))
 
 
 def make_fn(mode: str, model, smoke: bool):
@@ -79,7 +92,9 @@ def make_fn(mode: str, model, smoke: bool):
         return model
     if mode == "inductor":  # the smoke run checks the harness, not Inductor's CPU code generation
         return torch.compile(model, backend="aot_eager" if smoke else "inductor")
-    options = {"attention": {"hyscale": True, "hyscale_sparse": "always"}.get(mode, False)}
+    options = {"attention": {"hyscale": True, "hyscale_sparse": "always", "hyscale_recompute": True}.get(mode, False)}
+    if mode == "hyscale_recompute":
+        options["recompute_latent"] = True
     if smoke:
         options["compiler"] = "aot_eager"
     return torch.compile(model, backend="hyscale", options=options)
@@ -120,7 +135,7 @@ def top_kernels(fn, inputs, device: str, n: int = 12) -> list[tuple[str, float]]
 
 
 def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str, dtype,
-             profile: bool = False) -> dict:
+             profile: bool = False, inputs_kind: str = "training") -> dict:
     """{"ms": ms per step or "OOM at N GiB" / "error: ...", "peak": bytes or None, "loss", "counters"}."""
     from torch._dynamo.utils import counters
 
@@ -131,7 +146,7 @@ def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     try:
-        model, inputs = build(heads, T, smoke, device, dtype)
+        model, inputs = build(heads, T, smoke, device, dtype, inputs_kind)
         fn = make_fn(mode, model, smoke)
         with report.collect() as sites:
             ms, loss = time_steps(fn, inputs, iters, device)
@@ -175,6 +190,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one more step with the most "
                                                                  "device time, per mode (row key MODE_top_kernels)")
+    parser.add_argument("--inputs", choices=INPUTS, default="training", help="the step's inputs (module docstring)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "model.json"))
     args = parser.parse_args()
 
@@ -191,9 +207,10 @@ def main() -> None:
             if time.perf_counter() - start > args.budget_s:
                 print(f"budget spent: skipping T={T} H={H}")
                 continue
-            row = {"T": T, "H": H, "k": k, **{key: None for key in MODE_KEYS.values()}}  # None: not run
+            # None: not run
+            row = {"T": T, "H": H, "k": k, "inputs": args.inputs, **{key: None for key in MODE_KEYS.values()}}
             for mode in modes:
-                got = run_mode(mode, H, T, args.iters, args.smoke, device, dtype, args.profile)
+                got = run_mode(mode, H, T, args.iters, args.smoke, device, dtype, args.profile, args.inputs)
                 row[MODE_KEYS[mode]] = got["ms"]
                 row[f"{mode}_peak_bytes"] = got["peak"]
                 row[f"{mode}_loss"] = got["loss"]
