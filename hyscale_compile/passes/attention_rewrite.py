@@ -158,17 +158,17 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None, ke
         idx, index_shape = graph.call_method("unsqueeze", (idx, 0)), (1, *index_shape)
     if is_one(index_shape[0]) and not is_one(shape(q)[0]):
         idx = graph.call_method("expand", (idx, B, -1, -1))
-    if plan.pick_terms:
-        seen = None
-        for term in plan.pick_terms:
-            m = _place(graph, term, ("b", "t", "s"), (B, T, S))
-            seen = m if seen is None else graph.call_function(torch.logical_and, (seen, m))
+    # Masks over (batch, query, key) and over (batch, key) (padding) are read at the picks, once, here: the picks
+    # they hide become -1, which the op drops as it drops a hidden pick (the same attention, empty rows included),
+    # and its kernels load no mask per pick. The indices are a top-k's, in range (``sites``).
+    seen = None
+    for term in (*plan.pick_terms, *plan.key_terms):
+        m = _place(graph, term, ("b", "t", "s"), (B, T, S))
+        seen = m if seen is None else graph.call_function(torch.logical_and, (seen, m))
+    if seen is not None:
         kept = graph.call_method("gather", (seen, -1, graph.call_method("long", (idx,))))
         idx = graph.call_function(torch.where, (kept, idx, -1))
     key_mask = None
-    for term in plan.key_terms:
-        m = _place(graph, term, ("b", "s"), (B, S))
-        key_mask = m if key_mask is None else graph.call_function(torch.logical_and, (key_mask, m))
     offset = masks.emit_sum(graph, plan.offset_terms) if plan.causal else 0
     eager_empty_grad = plan.eager_empty_grad and any(requires_grad(x) for x in (att.q, att.k, att.v))
     if latent is not None:  # the absorption inside the op, a block of query rows at a time
