@@ -70,7 +70,7 @@ def floor_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_ptr
             tl.store(out_ptr + rid[:, None] * out_stride + cols[None, :], val,
                      mask=row_ok[:, None] & col_ok[None, :])
         else:  # COUNT: each kind of tile compared as the filter compares it
-            sink = keep_passing(acc, tile, cols, col_ok, rows_b, rows_t, row_ok, rid, lo, hi, lo_all, hi_all, thr,
+            sink = keep_passing(acc, tile, cols, col_ok, b, rows_b, rows_t, row_ok, rid, lo, hi, lo_all, hi_all, thr,
                                 fill, mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, cnt_ptr, out_ptr, C,
                                 out_stride, sink, _count, 0, False, HAS_MASK, HAS_BIAS, BT, BS)
     if MODE != TABLE:

@@ -29,13 +29,14 @@ def check(q: torch.Tensor, kx: torch.Tensor, w: torch.Tensor, C: int, append: in
     """Run the filter with tile append / keys per tile as given; assert the contract; return (counts, C).
 
     windows: per-row starts, so tiles cross the rows' ranges (without them the tiles below the
-    diagonal lie inside every row's range); masked: a bool mask on top (its ok kept as bits)."""
+    diagonal lie inside every row's range); masked: a bool mask on top (its ok kept as bits), "keys": one of the
+    key alone ([B, 1, S], the filter's MASK_KEYS path)."""
     B, T, S = q.shape[0], q.shape[1], kx.shape[1]
     assert B == 1
     dev = q.device
     g = torch.Generator().manual_seed(5)
     starts = (torch.arange(T) * (S // (T + 1))).view(1, T).to(dev) if windows else None
-    mask = (torch.rand(B, T, S, generator=g) > 0.2).to(dev) if masked else None
+    mask = (torch.rand(B, 1 if masked == "keys" else T, S, generator=g) > 0.2).to(dev) if masked else None
     vis = Visibility(causal=True, offset=S - T, starts=starts, mask=mask)
     val = reference.value_rows(q, kx, w, 0.5, True, vis, float("-inf"), 0, T)[0]
     visible = vis.at(0, T, torch.arange(S, device=dev).view(1, 1, S), (B, T, S))[0]

@@ -209,3 +209,60 @@ def test_hf_graph_facts(attn):
         idx32 = list(idx.users)[0]
         scatters = [u for n in idx32.users for u in n.users if _name(u) == "scatter"]
         assert scatters and all(s.meta["example_value"].dtype == torch.bool for s in scatters)
+
+
+def test_training_padding_mask_is_causal_and_per_key():
+    """The training step (``use_cache=False``, a padded 2-D attention_mask): HF hands the indexer its causal &
+    padding mask materialized [B, T, S]; the selection op gets the causal rule as its range and the padding as a
+    [B, 1, S] key mask (``masks.split_keep``), never the [B, T, S] tensor, and the step equals eager: the picks
+    (HF's own topk indices, read where the model returns them), the loss and every gradient."""
+    from hyscale_compile.passes import report
+    from hyscale_compile.runtime import reference
+
+    model, inputs = tiny_deepseek_v32(index_topk=8, seq_len=16, padding=True, use_cache=False)
+    assert (inputs["attention_mask"] == 0).any()
+    _assert_selection_well_posed(model, inputs)
+    model.train()
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    seen, picks = [], []
+    select = reference.select
+
+    def spy(q, kx, w, k, scale, relu, vis, *args, **kwargs):
+        seen.append(vis)
+        return select(q, kx, w, k, scale, relu, vis, *args, **kwargs)
+
+    indexers = [layer.self_attn.indexer for layer in model.model.layers]
+    hooks = [m.register_forward_hook(lambda m, a, out: picks.append(out.detach().sort(-1).values)) for m in indexers]
+
+    def step(m):
+        model.zero_grad()
+        out = m(**inputs, labels=labels)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    try:
+        expected, expected_grads = step(model)
+        eager_picks, picks[:] = list(picks), []
+        reference.select = spy
+        with report.collect() as reports:
+            actual, grads = step(torch.compile(model, backend="hyscale",
+                                               options={"compiler": "aot_eager", "attention": False}))
+    finally:
+        reference.select = select
+        for h in hooks:
+            h.remove()
+    sites = [r for r in reports if r.kind == "selection"]
+    assert [r.mask_kind for r in sites] == ["causal + key mask"] * 2, [(r.mask_kind, r.reason) for r in sites]
+    B, T = inputs["input_ids"].shape
+    assert seen and all(v.causal and v.offset == 0 and v.mask is not None and v.mask.shape == (B, 1, T) for v in seen)
+    # the visible picks (a row with fewer than k visible keys fills up with masked ones, in no order eager defines)
+    visible = (torch.arange(T)[None, :, None] >= torch.arange(T)) & inputs["attention_mask"].bool()[:, None, :]
+    assert len(picks) == len(eager_picks) == 2
+    for ours, theirs in zip(picks, eager_picks):
+        seen_ours, seen_theirs = (visible.gather(-1, p.long()) for p in (ours, theirs))
+        a, b = (p.long().where(v, T).sort(-1).values for p, v in ((ours, seen_ours), (theirs, seen_theirs)))
+        assert torch.equal(a, b)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")

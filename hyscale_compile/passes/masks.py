@@ -5,8 +5,11 @@ A mask the model builds from positions (``arange(S)[None] <= arange(T)[:, None] 
 computes it from indices and no mask tensor is read. A triangle of -inf *added* to the score stays
 additive (``causal_additive``): behind it a NaN or +inf score is NaN, as in eager, where a replacing
 mask (``masked_fill``, ``where``, a bool mask) gives the fill. Row windows built from per-row tensors
-(``arange(S) >= ks[:, None]``) become ``starts``/``ends``. Any other mask is passed as a tensor,
-read tile by tile: always correct, only less cheap.
+(``arange(S) >= ks[:, None]``) become ``starts``/``ends``. A mask that is an AND of such a causal rule and
+tensors that vary only over batch and key (HF's ``causal & padding``, built [B, 1, T, S] by its mask functions) is
+split (``split_keep``): the causal rule becomes the range, the rest a key mask passed [B, 1, S] (broadcast over the
+queries), never the [B, T, S] tensor. Any other mask is passed as a tensor, read tile by tile: always correct, only
+less cheap.
 
 What a mask built from positions says is read by ``positions``; this module decides the kind and emits the
 op's mask arguments.
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from .attention_sites import CONSTANT_TENSORS, constant_fill, mask_op
+from .graph_ops import dtype, is_one, normalize_dim, same_size, shape, written_in_place
 from .index_expr import Leaf, Score
 from .positions import Neg, Pred, additive_visible_where, neg_term, peel_not, visible_where
 
@@ -170,6 +175,13 @@ def plan(sc: Score) -> MaskPlan:
         elif window is not None and out.window_start is None and out.window_end is None:
             out.window_start, out.window_end = window
             out.kinds.append("window")
+        elif (split := split_keep(leaf, sc, causal_taken=out.causal)) is not None:
+            terms, keys = split
+            if terms is not None:
+                out.causal, out.offset_terms = True, terms
+                out.kinds.append("causal")
+            out.keep.extend(keys)
+            out.kinds.extend(["key mask"] * bool(keys))
         else:
             out.keep.append(leaf)
             out.kinds.append("bool mask tensor")
@@ -185,3 +197,117 @@ def plan(sc: Score) -> MaskPlan:
     if sc.fill is not None and sc.fill != NEG_INF:
         out.notes.append(f"masked picks carry the model's fill value {sc.fill}")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# a bool mask that is causal AND per-key masks
+
+
+def split_keep(leaf: Leaf, sc: Score, causal_taken: bool) -> tuple[tuple | None, list[Leaf]] | None:
+    """``(causal offset terms or None, key masks)`` where the visible-positions tensor of ``leaf`` is provably the
+    AND of at most one causal rule ``s <= t + c`` and bool tensors that vary only over the batch and key dims (HF's
+    ``causal & padding``); None where it is anything else (the mask is then passed whole, as before).
+
+    Each key mask is a Leaf with no query label: ``MaskPlan.emit`` lays it out [batch, 1, S], so the op reads it per
+    key, broadcast over the queries. Every value of the mask is that AND exactly: the walk goes through out-of-place
+    ``&`` of bool tensors, views that keep every value (size-1 dims added, dropped or broadcast, a bool ``to``) and
+    constant True tensors only, none of them written in place anywhere in the graph (the op reads the conjuncts
+    where the selection runs, the model read the mask where it was made).
+    """
+    visible = peel_not(leaf) or leaf
+    if visible.negate or dtype(visible.node) != torch.bool:
+        return None  # masked_fill(hidden, ...) with hidden not a ~: a disjunction of hidden parts, not split
+    terms = conjuncts(visible.node, visible.labels)
+    if terms is None or len(terms) < 2:
+        return None  # one term: the mask as it is (a key mask is passed per key already, see emit)
+    free = {*sc.batch_all, sc.key}
+    causal, keys = None, []
+    for node, labels in terms:
+        present = {lab for lab in labels if lab is not None}
+        if present <= free:
+            keys.append(Leaf(node, labels))
+            continue
+        p = visible_where(Leaf(node, labels))
+        offset = causal_offset(p, labels, sc.key, sc.query) if p is not None else None
+        if offset is None or causal is not None or causal_taken:
+            return None
+        causal = offset
+    if causal is None and not keys:
+        return None
+    return causal, keys
+
+
+def conjuncts(node: fx.Node, labels: tuple) -> list[tuple[fx.Node, tuple]] | None:
+    """The bool tensors whose AND ``node`` is, each with the labels of its dims (right-aligned broadcasting), or
+    None where ``node`` is not read that way (see ``split_keep``). Constant True tensors are dropped."""
+    out: list[tuple[fx.Node, tuple]] = []
+    seen: dict[fx.Node, tuple] = {}
+    ok = _conjuncts(node, labels, out, seen)
+    return out if ok else None
+
+
+def _conjuncts(node, labels: tuple, out: list, seen: dict) -> bool:
+    if not isinstance(node, fx.Node) or dtype(node) != torch.bool or written_in_place(node):
+        return False
+    if node in seen:
+        return seen[node] == labels  # one tensor read in two roles is not a conjunct of one kind
+    seen[node] = labels
+    name, inplace = mask_op(node)
+    if inplace:
+        return False
+    if name in CONSTANT_TENSORS:
+        fill = constant_fill(node)  # of a bool tensor: True where nonzero
+        return fill is not None and bool(fill)
+    if name == "and":
+        operands = node.args[:2]
+        if len(operands) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in operands):
+            return False
+        inner = [_operand_labels(labels, a) for a in operands]
+        return all(lab is not None and _conjuncts(a, lab, out, seen) for a, lab in zip(operands, inner))
+    if name in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
+        inner = _view_input_labels(node, labels)
+        if inner is not None:
+            return _conjuncts(node.args[0], inner, out, seen)
+    out.append((node, labels))
+    return True
+
+
+_VIEWS = ("identity", "to", "expand", "unsqueeze", "squeeze", "reshape", "getitem")
+
+
+def _operand_labels(out_labels: tuple, x: fx.Node) -> tuple | None:
+    """Labels of an operand of an elementwise op (right-aligned broadcasting; size-1 dims are None)."""
+    sx = shape(x)
+    off = len(out_labels) - len(sx) if sx is not None else -1
+    if off < 0:
+        return None
+    return tuple(None if is_one(d) else out_labels[off + i] for i, d in enumerate(sx))
+
+
+def _view_input_labels(node: fx.Node, labels: tuple) -> tuple | None:
+    """Labels of a view's input given the view's, where the view keeps every value of its input (size-1 dims added,
+    dropped or broadcast, the same real dims in the same order); None otherwise (a slice, an advanced index, a
+    reshape that moves data, a ``to`` that is not bool to bool)."""
+    name = mask_op(node)[0]
+    src = node.args[0]
+    si, so = shape(src), shape(node)
+    if si is None or so is None or dtype(src) != torch.bool:
+        return None
+    if name in ("to", "expand", "identity"):  # bool to bool (both checked): values and broadcasting kept
+        return _operand_labels(labels, src)
+    if name == "unsqueeze":
+        d = normalize_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"), len(so))
+        return labels[:d] + labels[d + 1:]
+    if name == "getitem":
+        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if not all(i is None or i is Ellipsis or i == slice(None) or (isinstance(i, int) and not isinstance(i, bool))
+                   for i in idx):
+            return None
+    real_in = [i for i, d in enumerate(si) if not is_one(d)]
+    real_out = [j for j, d in enumerate(so) if not is_one(d)]
+    if len(real_in) != len(real_out) or not all(same_size(si[i], so[j]) for i, j in zip(real_in, real_out)):
+        return None
+    inner = [None] * len(si)
+    for i, j in zip(real_in, real_out):
+        inner[i] = labels[j]
+    return tuple(inner)

@@ -18,7 +18,7 @@ from torch import Tensor
 from .filter_append import OK_ALL, OK_RANGE, OK_TILE, append_passing
 from .plan import Plan
 from .problem import Problem
-from .score_tile import block_rows, key_value, score_tile, tile_values
+from .score_tile import MASK_KEYS, block_rows, key_value, key_visible, score_tile, tile_values
 
 
 @triton.jit
@@ -33,7 +33,8 @@ def filter_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_pt
     """Append (value, position) entries passing the row threshold to the row's buffer; count them all.
 
     The threshold is compared as a float (x >= thr, or x is NaN: the order_key order without
-    computing keys). Tiles inside every row's range, with no mask or bias, skip the range test.
+    computing keys). Tiles inside every row's range, with no mask or bias (or a mask of the key alone, read
+    once per tile: ``keep_passing``), skip the range test.
     TMA: q and kx through the descriptors of ``tma_views`` (2-D: rows b * T + t and b * S + s).
     """
     split, b, pid_t, rows_t, row_ok, rid, lo, hi, tile0, tile1 = block_tiles(T, S, lo_ptr, hi_ptr, BT, BS)
@@ -47,7 +48,7 @@ def filter_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, thr_ptr, cnt_ptr, out_pt
     for tile in range(tile0 + split, tile1, SPLIT):
         cols, col_ok, acc = tile_scores(q_ptr, kx_b, w_ptr, q_rows, w_rows, row_ok, tile, b, S, H, sks, sqh, swh,
                                         scale, q_row0, q_desc, k_desc, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC, TMA)
-        keep_passing(acc, tile, cols, col_ok, rows_b, rows_t, row_ok, rid, lo, hi, lo_all, hi_all, thr, fill,
+        keep_passing(acc, tile, cols, col_ok, b, rows_b, rows_t, row_ok, rid, lo, hi, lo_all, hi_all, thr, fill,
                      mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, cnt_ptr, out_ptr, C, out_stride, thr,
                      _append, APPEND, ASM, HAS_MASK, HAS_BIAS, BT, BS)  # no carry: thr passes through
 
@@ -84,7 +85,7 @@ def tile_scores(q_ptr, kx_b, w_ptr, q_rows, w_rows, row_ok, tile, b, S, H, sks, 
 
 
 @triton.jit
-def keep_passing(acc, tile, cols, col_ok, rows_b, rows_t, row_ok, rid, lo, hi, lo_all, hi_all, thr, fill,
+def keep_passing(acc, tile, cols, col_ok, b, rows_b, rows_t, row_ok, rid, lo, hi, lo_all, hi_all, thr, fill,
                  mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, cnt_ptr, out_ptr, C, out_stride, carry,
                  KEEP: tl.constexpr, APPEND: tl.constexpr, ASM: tl.constexpr, HAS_MASK: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
@@ -92,14 +93,18 @@ def keep_passing(acc, tile, cols, col_ok, rows_b, rows_t, row_ok, rid, lo, hi, l
     inside every row's range with no mask or bias needs only the row bound (OK_ALL); with a mask or bias,
     the values as the reference defines them and their range test (OK_TILE); a range's edge, the range
     test in int32 (OK_RANGE: ranges lie in [0, S], a row past T has hi = 0), where tile_values' int64 one
-    set the kernel's register count. Returns KEEP's carry."""
+    set the kernel's register count. A mask of the key alone (HAS_MASK == MASK_KEYS, no bias; the tile's rows
+    are all of batch ``b``) keeps the first and last forms: its [BS] column is read once and a hidden key's
+    value is ``fill`` (it still competes, as tile_values defines it). Returns KEEP's carry."""
     inside = (tile * BS >= lo_all) & (tile * BS + BS <= hi_all)
-    if HAS_MASK or HAS_BIAS:
+    if HAS_MASK == MASK_KEYS and not HAS_BIAS:
+        acc = tl.where(key_visible(b, cols, col_ok, mask_ptr, smb, sms)[None, :], acc, fill)
+    elif HAS_MASK or HAS_BIAS:
         inside = False
-    if inside:  # every entry visible: the score is the value, only the row bound matters
+    if inside:  # every entry in range: the (key-masked) score is the value, only the row bound matters
         carry = KEEP(acc, row_ok[:, None], thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, carry,
                      APPEND, ASM, BT, BS, OK_ALL)
-    elif HAS_MASK or HAS_BIAS:
+    elif (HAS_MASK and HAS_MASK != MASK_KEYS) or HAS_BIAS:
         val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
                                     mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
         carry = KEEP(val, in_range, thr, cols, rid, row_ok, cnt_ptr, out_ptr, C, out_stride, carry,

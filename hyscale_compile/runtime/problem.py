@@ -44,7 +44,7 @@ class Problem:
         # the tile as it is now (tuners change score_tile.TILE), the constexprs and the launch options
         self.tile, self.consts, self._options = _statics(
             score_tile.TILE if tile is None else tile, self.D, act_kind(relu, scale), self.w is not None,
-            precision(self.q.dtype), vis.mask is not None, vis.bias is not None)
+            precision(self.q.dtype), mask_kind(vis.mask, mstr, self.T), vis.bias is not None)
         self.n_tblk = cdiv(self.T, self.tile.bt)
 
     @property
@@ -70,7 +70,16 @@ class Problem:
 _LAUNCH_OPTIONS = frozenset(("num_warps", "num_stages", "maxnreg"))
 
 
-def _statics(tile: TileConfig, D: int, act: int, has_w: bool, prec: str, has_mask: bool,
+def mask_kind(mask: Tensor | None, strides: tuple, T: int) -> int:
+    """HAS_MASK of a call: score_tile.MASK_NONE, MASK_TABLE, or MASK_KEYS where the mask is the same for every
+    query row (stride 0 along T after broadcasting, or one row): the filter and the sampler then read one [BS]
+    column of it per key tile and keep their fast paths."""
+    if mask is None:
+        return 0
+    return 2 if strides[1] == 0 or T == 1 else 1
+
+
+def _statics(tile: TileConfig, D: int, act: int, has_w: bool, prec: str, has_mask: int,
              has_bias: bool) -> tuple[TileConfig, MappingProxyType, dict | None]:
     """(a copy of ``tile``, the kernels' constexprs, the launch options of a launch that overrides none, or None
     where the tile caps registers: whether the cap applies is asked per launch), kept per their inputs, the

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .plan import Plan
 from .problem import Problem, fill_bits
-from .score_tile import block_rows, order_key, raw_entry, score_tile, tile_values
+from .score_tile import MASK_KEYS, block_rows, key_visible, order_key, raw_entry, score_tile, tile_values
 
 
 @triton.jit
@@ -40,9 +40,9 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
     """Keys of M evenly spaced positions of the block's range, shared by its rows (one matmul tile).
 
     SPLIT programs share a block's samples; the per-row count of valid samples is an integer atomic sum.
-    Without mask or bias the range test runs on 32-bit offsets from the block's start: the 64-bit
-    compares of tile_values over the whole tile made this kernel spill (255 registers and 1.4 KB of
-    stack on sm_90).
+    Without mask or bias (or with a mask of the key alone, read once per sample key) the range test runs on
+    32-bit offsets from the block's start: the 64-bit compares of tile_values over the whole tile made this
+    kernel spill (255 registers and 1.4 KB of stack on sm_90).
     """
     split = tl.program_id(0)  # fastest: the programs running together share one query block's q in L2
     b = tl.program_id(1).to(tl.int64)
@@ -71,13 +71,15 @@ def sample_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, samp_ptr, msamp_ptr, mas
         if j0 < n:
             acc = score_tile(q_ptr, kx_b, w_ptr, q_rows, w_rows, cols * sks, row_ok, j_ok,
                              H, sqh, swh, scale, D, BLOCK_D, BT, BS, ACT, HAS_W, PREC)
-            if HAS_MASK or HAS_BIAS:
+            if (HAS_MASK and HAS_MASK != MASK_KEYS) or HAS_BIAS:
                 val, in_range = tile_values(acc, rows_b, rows_t, cols, row_ok, j_ok, lo, hi, fill,
                                             mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK,
                                             HAS_BIAS)
-            else:  # the score is the value; the range test in 32-bit offsets from blo
-                rel = (cols - blo).to(tl.int32)
+            else:  # the score is the value (a key mask's fill where it hides the key); the range test in 32-bit
+                rel = (cols - blo).to(tl.int32)  # offsets from blo
                 val = acc
+                if HAS_MASK:  # MASK_KEYS: one column of the mask for the block's shared sample keys
+                    val = tl.where(key_visible(b, cols, j_ok, mask_ptr, smb, sms)[None, :], acc, fill)
                 in_range = (rel[None, :] >= lo_rel[:, None]) & (rel[None, :] < hi_rel[:, None])
             key = tl.where(ok & in_range, order_key(val), key)
         m += tl.sum((key != -2147483648).to(tl.int32), axis=1)  # no order key is INT32_MIN (-inf's is above)

@@ -44,6 +44,13 @@ class TileConfig:
 
 TILE = TileConfig()  # the tile of every call (a plan.Tuning names another for one call)
 
+# HAS_MASK: no mask, a mask read per (row, key) with its strides, or one that depends on the batch and key only
+# (stride 0 along the rows: a padding mask broadcast over the queries), which a kernel whose tile shares one batch
+# may read once per key tile (``key_visible``). Both nonzero: every ``if HAS_MASK`` reads either with its strides.
+MASK_NONE = tl.constexpr(0)
+MASK_TABLE = tl.constexpr(1)
+MASK_KEYS = tl.constexpr(2)
+
 INT32_MIN = -(2**31)
 INT64_MIN = -(2**63)
 
@@ -180,6 +187,13 @@ def tile_values(acc, rows_b, rows_t, cols, row_ok, col_ok, lo, hi, fill,
         moff = rows_b[:, None] * smb + rows_t[:, None] * smt + cols[None, :] * sms
         visible = visible & (tl.load(mask_ptr + moff, mask=in_range, other=0) != 0)
     return tl.where(visible, v, fill), in_range
+
+
+@triton.jit
+def key_visible(b, cols, col_ok, mask_ptr, smb, sms):
+    """[BS] bool: the key mask of batch ``b`` at ``cols`` (HAS_MASK == MASK_KEYS: the same for every row), False
+    past S. ``tl.where(vis[None, :], acc, fill)`` then gives tile_values' values wherever the range holds."""
+    return tl.load(mask_ptr + b * smb + cols * sms, mask=col_ok, other=0) != 0
 
 
 @triton.jit

@@ -104,6 +104,29 @@ def test_mask_and_bias_broadcast():
     check(q, kx, w, 9, vis=Visibility(bias=bias_b, mask=mask_bt[:, :1]), fill=0.5)
 
 
+@pytest.mark.parametrize("fill", [NEG_INF, -1.0, float("nan")])
+def test_key_mask_fast_path(fill):
+    """A mask of the key alone ([B, 1, S]: a padding mask broadcast over the queries) runs as HAS_MASK ==
+    MASK_KEYS: the filter keeps its tiles inside every row's range (bs=16 makes most of them so), the sampler its
+    32-bit range test, both reading one column of the mask a tile. Bitwise the reference: hidden keys compete with
+    value ``fill``, NaN scores at visible keys rank first and at hidden ones become the fill, rows whose keys are
+    all hidden (batch 1 under the short offset) return masked positions, lowest first."""
+    B, T, S = 2, 6, 80
+    q, kx, w = inputs(B=B, T=T, S=S, seed=41)
+    g = torch.Generator().manual_seed(42)
+    keys = torch.rand(B, 1, S, generator=g) > 0.4
+    kx[0, 5], kx[0, 60], kx[1, 70] = math.nan, math.nan, math.nan
+    keys[0, 0, 5], keys[0, 0, 60], keys[1, 0, 70] = True, False, True  # NaN visible, hidden, visible
+    keys[1, 0, :12] = False  # batch 1, offset 5: every row's keys hidden
+    assert Problem(q, kx, w, 0.5, True, Visibility(mask=keys), fill).consts["HAS_MASK"] == score_tile.MASK_KEYS
+    assert Problem(q, kx, w, 0.5, True, Visibility(mask=keys.expand(B, T, S).clone()),
+                   fill).consts["HAS_MASK"] == score_tile.MASK_TABLE
+    sampled = Tuning(tile=tile(bs=16), capacity=16, target=10, samples=32)
+    check(q, kx, w, 8, vis=Visibility(causal=True, offset=S - T, mask=keys), fill=fill, tuning=sampled)
+    check(q, kx, w, 8, vis=Visibility(causal=True, offset=5, mask=keys), fill=fill, tuning=Tuning(tile=tile(bs=16)))
+    check(q, kx, w, 8, vis=Visibility(mask=keys), fill=fill, tuning=sampled)  # no range at all
+
+
 def test_few_visible_keys():
     q, kx, w = inputs(B=1, T=6, S=40, seed=6)
     # query t sees t + 1 keys: fewer than k for most rows, masked positions follow lowest first
@@ -182,14 +205,16 @@ def test_reserved_append_at_the_default_tile():
 
 @pytest.mark.parametrize("append,bs,masked,windows", [
     (3, 32, False, True), (3, 128, False, True), (3, 256, False, True), (3, 32, True, True), (3, 128, True, True),
-    (3, 256, True, True), (3, 32, False, False), (1, 32, False, True), (0, 32, True, True)])
+    (3, 256, True, True), (3, 32, False, False), (1, 32, False, True), (0, 32, True, True), (3, 32, "keys", False),
+    (0, 32, "keys", True), (1, 32, "keys", False)])
 def test_filter_capacity_contract(append, bs, masked, windows):
     """tests/filter_contract.py on the interpreter: the reserved append's twin and the other appends,
     at 32 to 256 keys a tile."""
     q, kx, w = inputs(B=1, T=6, H=4, D=32, S=300, seed=31)
     w = w.abs() + 0.25  # positive weights: enough distinct scores for a row to pass exactly C
     cnt, C = filter_contract.check(q, kx, w, 16, append=append, bs=bs, masked=masked, windows=windows)
-    assert (cnt > C).sum() >= 2 and (cnt == C).sum() >= 1 and (cnt < C).sum() >= 2  # every case was met
+    exact = (cnt == C).sum() >= 1 or masked == "keys"  # (the key mask's ties leave no row at exactly C)
+    assert (cnt > C).sum() >= 2 and exact and (cnt < C).sum() >= 2  # every case was met
 
 
 def test_append_rule():
