@@ -10,11 +10,16 @@ behaviour that was already right. Tiny sizes: seconds each on the CPU (the inter
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from sparse_attention_cases import close, finite
+from test_red_team_round7 import _attention, _Mla, _mla_inputs
 from test_sparse_attention_mla import Dc, Dn, Dr, _graph_ops, _problem
 
+from hyscale_compile import backend as backend_mod
+from hyscale_compile.passes import report
 from hyscale_compile.runtime import dispatch
 from hyscale_compile.runtime.sparse_attention import absorbed, backward
 
@@ -110,3 +115,92 @@ def test_recomputed_backward_of_empty_rows_on_the_kernels(sliced, monkeypatch):
     assert all(t.isfinite().all() for t in results[0][2:])
     close(results[0], results[1], 2e-5)
     close(results[0], results[2], 2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. the attention output written in place after the attention
+
+
+class _MlaWritten(_Mla):
+    """The attention output scaled in place after the attention, inside the graph (``inside``) or by the caller
+    after a graph break: eager runs (nothing the model's autograd keeps is written)."""
+
+    def __init__(self, inside=True, **kw):
+        super().__init__(**kw)
+        self.inside = inside
+
+    def forward(self, q, c, r, score, pad):
+        out = self.body(q, c, r, score, pad)
+        if not self.inside:
+            torch._dynamo.graph_break()
+        out.mul_(2)
+        return out * 3
+
+
+def _compiled_grads(module, args, options, grad=(0, 1, 2)):
+    xs = [x.detach().clone().requires_grad_(i in grad) if x.is_floating_point() else x for i, x in enumerate(args)]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return backend_mod.hyscale(gm, example_inputs, options=options)
+
+    fn = module
+    if options is not None:
+        torch._dynamo.reset()
+        fn = torch.compile(module, backend=backend)
+    with report.collect() as reports:
+        y = fn(*xs)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [xs[i] for i in grad] + [p for p in module.parameters() if p.requires_grad]
+    return [y.detach(), *torch.autograd.grad((y * g).sum(), leaves)], _attention(reports), graphs
+
+
+def _copies(graphs):
+    """Copies of the attention op's output (own_copies gives the op copies of its inputs, e.g. the [B, S] mask)."""
+    return sum(n.target is torch.ops.hyscale.saved_copy.default and n.args[0].target is operator.getitem
+               for gm in graphs for n in gm.graph.nodes)
+
+
+# Found in review, fixed (a crash, o' kept as well as recomputed): the change made the MLA op keep its output out
+# for the backward (its recomputed row term reads it) in both modes. A model that writes its attention output in
+# place after the attention (here ``out.mul_(2)`` after HF's ``.transpose(1, 2).contiguous()``, which the rewrite
+# makes the op's output itself) then failed: "one of the variables needed for gradient computation has been
+# modified by an inplace operation" in the backward under compiler="eager", and at compile time (AOTAutograd's
+# trace) under aot_eager and Inductor, in the default mode too; eager runs, and so did the rewrite before the
+# change. Fixed: the op keeps out only without keep_latent (lowering/attention_mla.py).
+@pytest.mark.parametrize("compiler,recompute,inside", [
+    ("eager", False, True), ("aot_eager", False, True),
+])
+def test_attention_output_written_in_place_after(compiler, recompute, inside):
+    torch.manual_seed(0)
+    module = _MlaWritten(inside=inside, mask="pad")
+    args = _mla_inputs()
+    got, sites, graphs = _compiled_grads(module, args, {"compiler": compiler, "recompute_latent": recompute})
+    want, _, _ = _compiled_grads(module, args, None)
+    assert [s.decision for s in sites] == ["rewritten"] and sites[0].layout.startswith("MLA latent")
+    assert ("recomputed in the backward" in sites[0].reason) == recompute
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert _copies(graphs[:1]) == (1 if recompute else 0)  # a copy only where the op keeps its output
+
+
+def test_op_output_written_by_its_caller():
+    """The op itself: with o' kept out may be written after (nothing kept reads it: the gradients are those of the
+    unwritten call); without, the backward reads it and refuses loudly, never silently."""
+    q, kv, w, idx, gout, _ = _problem()
+    grads = []
+    for keep, write in ((True, False), (True, True), (False, True)):
+        leaves = [x.clone().requires_grad_() for x in (q, kv, w)]
+        out = torch.ops.hyscale.sparse_attention_mla(*leaves, idx, Dn, 0.3, True, 12, None, None, "zero", False,
+                                                     keep)[0]
+        y = out * gout
+        if write:
+            out.mul_(2)
+        if keep:
+            y.sum().backward()
+            grads.append([x.grad for x in leaves])
+        else:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward()
+    close(grads[1], grads[0], 0)
