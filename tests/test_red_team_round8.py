@@ -14,6 +14,7 @@ import operator
 
 import pytest
 import torch
+from helpers import check_compiled
 from sparse_attention_cases import close, finite
 from test_red_team_round7 import _attention, _Mla, _mla_inputs
 from test_sparse_attention_mla import Dc, Dn, Dr, _graph_ops, _problem
@@ -168,9 +169,13 @@ def _copies(graphs):
 # makes the op's output itself) then failed: "one of the variables needed for gradient computation has been
 # modified by an inplace operation" in the backward under compiler="eager", and at compile time (AOTAutograd's
 # trace) under aot_eager and Inductor, in the default mode too; eager runs, and so did the rewrite before the
-# change. Fixed: the op keeps out only without keep_latent (lowering/attention_mla.py).
+# change. Fixed twice: the op keeps out only without keep_latent (lowering/attention_mla.py), and the rewrite hands
+# a model that may write the output of an op that keeps it a copy (hyscale.saved_copy: Inductor removed a clone
+# and the caller's write after a graph break reached the kept tensor), which also fixes hyscale.sparse_attention,
+# which kept its output before the change, for the same models.
 @pytest.mark.parametrize("compiler,recompute,inside", [
-    ("eager", False, True), ("aot_eager", False, True),
+    ("eager", False, True), ("eager", True, True), ("aot_eager", False, True), ("aot_eager", True, True),
+    ("inductor", True, True), ("inductor", True, False), ("eager", True, False),
 ])
 def test_attention_output_written_in_place_after(compiler, recompute, inside):
     torch.manual_seed(0)
@@ -183,6 +188,38 @@ def test_attention_output_written_in_place_after(compiler, recompute, inside):
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert _copies(graphs[:1]) == (1 if recompute else 0)  # a copy only where the op keeps its output
+
+
+def test_sparse_attention_output_written_in_place_after():
+    """The plain op kept its output before the change: the same model shape, the same fix."""
+    from test_red_team_round6 import _causal, _hidden, _inputs, _picks
+
+    def attn(q, k, v, s):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_causal() & ~_hidden(_picks(s)))
+        o = o.transpose(1, 2).contiguous()
+        o.mul_(2)
+        return o * 3
+
+    sites = _attention(check_compiled(attn, _inputs(), grad=(0, 1, 2), compiler="aot_eager"))
+    assert [s.decision for s in sites] == ["rewritten"]
+
+
+def test_no_copy_where_the_output_is_not_written():
+    """A write to a tensor computed from the output (``y = out * 3; y.add_(1)``) is no write of it: no copy."""
+
+    class Later(_Mla):
+        def forward(self, q, c, r, score, pad):
+            y = self.body(q, c, r, score, pad) * 3
+            y.add_(1)
+            return y
+
+    torch.manual_seed(0)
+    module = Later(mask="pad")
+    got, sites, graphs = _compiled_grads(module, _mla_inputs(), {"compiler": "eager", "recompute_latent": True})
+    want, _, _ = _compiled_grads(module, _mla_inputs(), None)
+    assert [s.decision for s in sites] == ["rewritten"] and _copies(graphs) == 0
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_op_output_written_by_its_caller():
