@@ -16,8 +16,11 @@ import pytest
 import torch
 from helpers import check_compiled
 from sparse_attention_cases import close, finite
-from test_red_team_round7 import _attention, _Mla, _mla_inputs
-from test_sparse_attention_mla import Dc, Dn, Dr, _graph_ops, _problem
+from test_red_team_round7 import DC, _attention, _Mla, _mla_inputs
+from test_red_team_round7 import B as MB
+from test_red_team_round7 import H as MH
+from test_red_team_round7 import T as MT
+from test_sparse_attention_mla import Dc, Dn, Dr, _graph_ops, _problem, _rel
 
 from hyscale_compile import backend as backend_mod
 from hyscale_compile.passes import report
@@ -241,3 +244,137 @@ def test_op_output_written_by_its_caller():
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 y.sum().backward()
     close(grads[1], grads[0], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. tried in review, already right
+
+
+VIS = {  # (causal, offset, offsets, key mask)
+    "offsets": (True, 0, torch.tensor([12, -4, 3]), False),
+    "key_mask": (True, 5, None, True),
+    "few_visible": (True, -4, None, False),
+}
+
+
+@pytest.mark.parametrize("name,empty,eager_empty_grad", [
+    ("offsets", "zero", False), ("key_mask", "mean", False), ("few_visible", "mean", True), ("offsets", "mean", True),
+])
+def test_recomputed_equals_the_graph_ops_over_batch_rows(name, empty, eager_empty_grad, monkeypatch):
+    """B = 3 in blocks of 2 rows (each block spans the batch rows: o' and lse not written in place), an lse gradient
+    at every row, empty ones included: values and the gradients of q, kv and w as the graph ops' (with eager's
+    gradient of empty rows where asked) and as o' kept."""
+    q, kv, w, idx, gout, glse = _problem(B=3, T=9, seed=7)
+    _rows(monkeypatch, 2, q)
+    causal, offset, offsets, key_mask = VIS[name]
+    key_mask = torch.rand(3, kv.shape[1], generator=torch.Generator().manual_seed(1)) > 0.5 if key_mask else None
+    args = (0.3, causal, offset, offsets, key_mask, empty)
+    got = _grads(_op(False, eager_empty_grad), q, kv, w, idx, gout, glse, *args)
+    close(got, _grads(_eager_graph_ops if eager_empty_grad else _graph_ops, q, kv, w, idx, gout, glse, *args), 1e-5)
+    close(got, _grads(_op(True, eager_empty_grad), q, kv, w, idx, gout, glse, *args), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_recomputed_as_accurate_as_the_graph_ops(dtype, monkeypatch):
+    """Against the fp32 graph ops, with per-batch offsets, a key mask, empty rows (mean), an lse gradient and blocks
+    spanning batch rows: out, lse, dq and dw no further than o' kept (and than the 16-bit graph ops), kv's gradient
+    within 1.5x of the 16-bit graph ops'."""
+    q, kv, w, idx, gout, glse = _problem(B=2, T=24, H=8, seed=2, dtype=dtype)
+    _rows(monkeypatch, 5, q)
+    key_mask = torch.rand(2, kv.shape[1], generator=torch.Generator().manual_seed(1)) > 0.3
+    args = (0.3, True, 0, torch.tensor([10, -3]), key_mask, "mean")
+    got = _grads(_op(False), q, kv, w, idx, gout, glse, *args)
+    kept = _grads(_op(True), q, kv, w, idx, gout, glse, *args)
+    graph = _grads(_graph_ops, q, kv, w, idx, gout, glse, *args)
+    ref = _grads(_graph_ops, *(x.float() for x in (q, kv, w)), idx, gout.float(), glse, *args)
+    assert got[1].isinf().any()
+    for name, a, k, g, r in zip(("out", "lse", "dq", "dkv", "dw"), got, kept, graph, ref):
+        assert a.dtype == k.dtype == g.dtype
+        most = 1.5 * _rel(g, r) if name == "dkv" else max(_rel(k, r), _rel(g, r)) * 1.05
+        assert _rel(a, r) <= most + 1e-6, (name, _rel(a, r), _rel(k, r), _rel(g, r))
+
+
+def _check_recompute(module, calls, compiler, dynamic=None, grad=(0, 1, 2), **tol):
+    """Compiled with recompute_latent: outputs and gradients equal eager's on each call, the site rewritten
+    absorbed and the report saying o' is recomputed."""
+    def run(fn, args):
+        xs = [x.detach().clone().requires_grad_(i in grad) if x.is_floating_point() else x for i, x in enumerate(args)]
+        out = fn(*xs)
+        out = out if isinstance(out, tuple) else (out,)
+        leaves = [xs[i] for i in grad] + [p for p in module.parameters() if p.requires_grad]
+        g = torch.Generator().manual_seed(7)
+        loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in out)
+        return [o.detach() for o in out] + list(torch.autograd.grad(loss, leaves))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="hyscale", dynamic=dynamic,
+                             options={"compiler": compiler, "recompute_latent": True})
+    with report.collect() as reports:
+        got = [run(compiled, args) for args in calls]
+    for g, w in zip(got, [run(module, args) for args in calls], strict=True):
+        for a, b in zip(g, w, strict=True):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, **{**dict(rtol=1e-4, atol=1e-5), **tol})
+    sites = _attention(reports)
+    assert sites and all(s.decision == "rewritten" and s.layout.startswith("MLA latent")
+                         and "recomputed in the backward" in s.reason for s in sites), [s.reason for s in sites]
+
+
+class _Twice(_Mla):
+    """The attention output read twice."""
+
+    def forward(self, q, c, r, score, pad):
+        o = self.body(q, c, r, score, pad)
+        return o * 2, o.sum(-1)
+
+
+MODELS = {  # (module, inputs, compiler, dynamic, ROWS_BYTES in rows)
+    "inductor_dynamic": (lambda: _Mla(mask="pad"), [_mla_inputs(), _mla_inputs(seed=2, b=3, t=7)], "inductor", True,
+                         2),
+    "aot_checkpoint_offsets": (lambda: _Mla(ckpt=True, mask="offsets"), [_mla_inputs()], "aot_eager", None, 1),
+    "eager_padding_training": (lambda: _Mla("eager", mask="pad"), [_mla_inputs()], "eager", None, 1),
+    "read_twice": (lambda: _Twice(mask="pad"), [_mla_inputs()], "aot_eager", None, 1),
+    "bf16_shared_latent": (lambda: _Mla(dtype=torch.bfloat16), [_mla_inputs(dtype=torch.bfloat16, shared=True)],
+                           "eager", None, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_recompute_latent_models(name, monkeypatch):
+    module, calls, compiler, dynamic, rows = MODELS[name]
+    monkeypatch.setattr(absorbed, "ROWS_BYTES", rows * 2 * 4 * 24 * calls[0][0].element_size())
+    torch.manual_seed(0)
+    tol = dict(rtol=3e-2, atol=3e-2) if "bf16" in name else {}
+    _check_recompute(module(), calls, compiler, dynamic, **tol)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_recompute_latent_keeps_no_latent_output(compiler):
+    """What the compiled forward keeps for the backward: o' ([B, T, H, Dc]) once, and not with recompute_latent."""
+    def saved(recompute):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(_Mla(mask="pad"), backend="hyscale",
+                                 options={"compiler": compiler, "recompute_latent": recompute})
+        xs = [x.requires_grad_() if i < 3 else x for i, x in enumerate(_mla_inputs())]
+        shapes = []
+
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = compiled(*xs)
+        y.sum().backward()
+        return shapes
+
+    latent = (MB, MT, MH, DC)
+    assert latent in saved(False) and latent not in saved(True)
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, torch.tensor(True)])
+def test_recompute_latent_must_be_a_bool(value):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 2, backend="hyscale", options={"recompute_latent": value})
+    with pytest.raises(Exception, match=r"TypeError: hyscale: options\['recompute_latent'\] must be True or False"):
+        fn(torch.ones(3))
