@@ -101,13 +101,16 @@ def _setup(ctx, inputs, output) -> None:
     # out is the model's attention output, which its output projection keeps anyway (the same storage); without
     # keep_latent, the backward's row term and recomputed o' start from it, and latent is the empty [0] (a plain
     # Tensor argument of the backward op either way: Inductor's dynamic-shape fallback call dropped an optional
-    # tensor argument that was not None)
-    ctx.save_for_backward(q, kv, w, out, lse, latent, indices, offsets, key_mask)
+    # tensor argument that was not None). With keep_latent out is not read, and not kept: the op keeps what it kept
+    # before the option, and a caller may write out in place after (the attention pass's rewrite copies it for a
+    # model that does so without keep_latent: attention_rewrite.py)
+    ctx.save_for_backward(q, kv, w, lse, latent, indices, offsets, key_mask, *(() if keep_latent else (out,)))
     ctx.args = (nope_dim, scale, causal, offset, empty, eager_empty_grad)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_latent):
-    q, kv, w, out, lse, latent, indices, offsets, key_mask = ctx.saved_tensors
+    q, kv, w, lse, latent, indices, offsets, key_mask, *rest = ctx.saved_tensors
+    out = rest[0] if rest else latent  # kept o': out is not read (the backward op takes a tensor there)
     nope_dim, scale, causal, offset, empty, eager_empty_grad = ctx.args
     if grad_out is None:
         grad_out = q.new_zeros((*q.shape[:3], w.shape[1] - nope_dim))

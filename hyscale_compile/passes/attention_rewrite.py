@@ -26,6 +26,7 @@ from .attention_masks import MaskPlan, Term
 from .attention_mla import Latent
 from .attention_sites import REWRITTEN_FROM, Site, peel_repeat_kv, same_shape
 from .graph_ops import (
+    Aliases,
     dtype,
     is_one,
     mutates,
@@ -63,6 +64,13 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
         with graph.inserting_before(att.node):
             out = _emit(graph, site, plan, latent, keep_latent)
             result, replaced = _model_layout(graph, att, out)
+        if _keeps_output(out) and _output_written(graph, att.node, replaced, by_caller):
+            # the op keeps its output for the backward, and the model writes it: the model gets a copy, one
+            # Inductor cannot remove as a no-op clone (lowering/saved_copy.py)
+            with graph.inserting_after(out):
+                copy = graph.call_function(torch.ops.hyscale.saved_copy.default, (out,))
+            out.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
+            out = copy
         for n in [n for n in graph.nodes if n not in existing and n.target in _SAVED]:
             tensors, small = _SAVED[n.target]
             own_copies(graph, n, tensors, written)
@@ -86,6 +94,27 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
     if latent is not None:
         dead.append(latent.expanded)
     erase_dead(graph, dead)
+
+
+def _keeps_output(out: fx.Node) -> bool:
+    """Whether the op whose output ``out`` is keeps it for its backward: ``sparse_attention`` (its row term), the
+    absorbed MLA op without keep_latent (its row term and recomputed o'); ``empty_rows_like_eager`` returns a copy."""
+    if out.target is not operator.getitem:
+        return False
+    op = out.args[0]
+    return op.target is torch.ops.hyscale.sparse_attention.default or (
+        op.target is torch.ops.hyscale.sparse_attention_mla.default and len(op.args) > 12 and op.args[12] is False)
+
+
+def _output_written(graph: fx.Graph, att: fx.Node, replaced: fx.Node | None, written: list[fx.Node] | None) -> bool:
+    """Whether the model may write its attention output in place before the backward (``written``: ``writes_after``
+    with the caller's writes): the op's output becomes the attention's and, where it ``replaced`` a transpose, the
+    copies and reshapes that read it (views of those share their storage)."""
+    if written is None:
+        return True
+    ours = [att, *([replaced, *replaced.users] if replaced is not None else [])]
+    aliases = Aliases(graph)
+    return any(aliases.may_alias(t, n) for t in written for n in ours)
 
 
 # The tensor arguments each op's autograd formula keeps for the backward (lowering/attention.py, attention_rows.py):

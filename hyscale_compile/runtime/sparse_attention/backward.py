@@ -518,6 +518,8 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     idx = indices.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     shift = delta if dlse is None else (delta + dlse.float()).contiguous()  # rowsum(dout * the caller's output)
+    if out is not None:  # empty rows: o = 0, no correction (as naive.backward), whatever the caller's delta + dlse
+        shift = torch.where(empty_rows(lse), 0.0, shift)
     offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
     km = picks.key_mask.view(torch.uint8) if picks.key_mask is not None else idx
     km_strides = km.stride() if picks.key_mask is not None else (0, 0)

@@ -204,6 +204,9 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
             eps = (dog * o).sum(-1, keepdim=True) - delta[:, t0:t1].to(ct).view(B, R, G, H // G, 1)
             if dlse is not None:
                 eps = eps - dlse[:, t0:t1].to(ct).view(B, R, G, H // G, 1)
+            # an empty row has p = 0: no correction, whatever its delta and dlse are (an infinite lse gradient at
+            # its lse of -inf, or the mean of a v with a NaN in a key no row picks, would make eps * 0 NaN)
+            eps = torch.where(empty_rows(lse[:, t0:t1]).view(B, R, G, H // G, 1), 0.0, eps)
             dq_t = dq_t - eps * torch.einsum("brghk,brkgd->brghd", p, kg)
         dq[:, t0:t1] = (dq_t * scale).reshape(B, R, H, Dqk)
         flat = (torch.where(kept, indices[:, t0:t1].long(), 0)
