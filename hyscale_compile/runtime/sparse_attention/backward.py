@@ -295,8 +295,8 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
 
 
 @triton.jit
-def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, do_ptr, shift_ptr, B, T, S, K, H,
-               HG, NHB, G, Dqk, offset, scale, sk_b, sk_s, sk_g, skm_b, skm_s, sdo_b, sdo_t, sdo_h, t0, R,
+def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, do_ptr, shift_ptr, lse_ptr, B, T, S, K,
+               H, HG, NHB, G, Dqk, offset, scale, sk_b, sk_s, sk_g, skm_b, skm_s, sdo_b, sdo_t, sdo_h, t0, R,
                slice_picks, dq_T, dq_t0, O_W,
                CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, PREC: tl.constexpr,
                DA: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
@@ -309,7 +309,8 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, d
     # for a slice's partial). CORRECT (one slice a row, so o is whole): dq takes the softmax row term
     # consistent with the dp the contributions used, rowsum(dout * o) - dlse, in place of the caller's (from the
     # model's rounded output): ds - p * eps summed against k is dq - eps * o, eps = rowsum(dout * o) - shift,
-    # shift = the caller's delta + dlse.
+    # shift = the caller's delta + dlse; none at an empty row (lse -inf: p = 0, and an infinite lse gradient or a
+    # non-finite dout there would make eps * 0 NaN).
     GH = G * NHB
     flat = tl.program_id(0).to(tl.int64)
     pid = flat // GH
@@ -351,6 +352,7 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, d
         do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
         do = tl.load(do_row + ca[None, :], mask=hmask[:, None] & (ca < DA)[None, :], other=0.0).to(tl.float32)
         eps = tl.sum(do * oa, 1) - tl.load(shift_ptr + row * H + h, mask=hmask, other=0.0)
+        eps = tl.where(tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0) == float("-inf"), 0.0, eps)
         dqa -= eps[:, None] * oa
         if BDB > 0:
             dqb -= eps[:, None] * ob
@@ -518,8 +520,6 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     idx = indices.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     shift = delta if dlse is None else (delta + dlse.float()).contiguous()  # rowsum(dout * the caller's output)
-    if out is not None:  # empty rows: o = 0, no correction (as naive.backward), whatever the caller's delta + dlse
-        shift = torch.where(empty_rows(lse), 0.0, shift)
     offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
     km = picks.key_mask.view(torch.uint8) if picks.key_mask is not None else idx
     km_strides = km.stride() if picks.key_mask is not None else (0, 0)
@@ -562,14 +562,15 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
                 c_picks, q_t0, do_t0, ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH,
                 CSTAGES=CONTRIB_STAGES, STORE_P=out is not None, num_warps=warps, num_stages=stages, **flags)
             _dq_kernel[(B * R * G * NHBQ, P)](
-                k, idx, offs, km, ds, dq_out, p_buf, dq_out if o_out is None else o_out, dout, shift, B, T, S, K, H,
-                HG, NHBQ, G, Dqk, int(picks.offset), float(scale), *k.stride()[:3], *km_strides, *dout.stride()[:3],
+                k, idx, offs, km, ds, dq_out, p_buf, dq_out if o_out is None else o_out, dout, shift, lse, B, T, S, K,
+                H, HG, NHBQ, G, Dqk, int(picks.offset), float(scale), *k.stride()[:3], *km_strides, *dout.stride()[:3],
                 t0, R, slice_picks, dq_T, dq_t0, Dv if P == 1 else Dqk, BH=BHQ, BK=BKQ, WITH_O=out is not None,
                 CORRECT=out is not None and P == 1, num_warps=warps_q, num_stages=stages_q, **flags)
         if P > 1 and out is not None:  # the row term's correction on the summed partials (the kernel's, in fp32)
             o_full = o_out.sum(0)
             rows_t = slice(t0, t0 + R)
             eps = (dout[:, rows_t].float() * o_full[..., :Dv]).sum(-1) - shift[:, rows_t]
+            eps = torch.where(empty_rows(lse[:, rows_t]), 0.0, eps)  # as the kernel's
             dq[:, rows_t] = dq_out.sum(0) - float(scale) * eps[..., None] * o_full
             out[:, rows_t] = o_full[..., :Dv]
         elif P > 1:
