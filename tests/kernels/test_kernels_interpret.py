@@ -123,8 +123,9 @@ def test_key_mask_fast_path(fill):
                    fill).consts["HAS_MASK"] == score_tile.MASK_TABLE
     sampled = Tuning(tile=tile(bs=16), capacity=16, target=10, samples=32)
     check(q, kx, w, 8, vis=Visibility(causal=True, offset=S - T, mask=keys), fill=fill, tuning=sampled)
-    check(q, kx, w, 8, vis=Visibility(causal=True, offset=5, mask=keys), fill=fill, tuning=Tuning(tile=tile(bs=16)))
-    check(q, kx, w, 8, vis=Visibility(mask=keys), fill=fill, tuning=sampled)  # no range at all
+    if fill == NEG_INF:  # the other ranges once (the fills take the same paths there: interpreter time)
+        check(q, kx, w, 8, vis=Visibility(causal=True, offset=5, mask=keys), fill=fill, tuning=Tuning(tile=tile(bs=16)))
+        check(q, kx, w, 8, vis=Visibility(mask=keys), fill=fill, tuning=sampled)  # no range at all
 
 
 def test_few_visible_keys():
