@@ -64,7 +64,7 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
         with graph.inserting_before(att.node):
             out = _emit(graph, site, plan, latent, keep_latent)
             result, replaced = _model_layout(graph, att, out)
-        if _keeps_output(out) and _output_written(graph, att.node, replaced, by_caller):
+        if _keeps_output(out, keep_latent) and _output_written(graph, att.node, replaced, by_caller):
             # the op keeps its output for the backward, and the model writes it: the model gets a copy, one
             # Inductor cannot remove as a no-op clone (lowering/saved_copy.py)
             with graph.inserting_after(out):
@@ -96,14 +96,14 @@ def rewrite(gm: fx.GraphModule, site: Site, plan: MaskPlan, latent: Latent | Non
     erase_dead(graph, dead)
 
 
-def _keeps_output(out: fx.Node) -> bool:
+def _keeps_output(out: fx.Node, keep_latent: bool) -> bool:
     """Whether the op whose output ``out`` is keeps it for its backward: ``sparse_attention`` (its row term), the
     absorbed MLA op without keep_latent (its row term and recomputed o'); ``empty_rows_like_eager`` returns a copy."""
     if out.target is not operator.getitem:
         return False
-    op = out.args[0]
-    return op.target is torch.ops.hyscale.sparse_attention.default or (
-        op.target is torch.ops.hyscale.sparse_attention_mla.default and len(op.args) > 12 and op.args[12] is False)
+    op = out.args[0].target
+    return op is torch.ops.hyscale.sparse_attention.default or (
+        op is torch.ops.hyscale.sparse_attention_mla.default and not keep_latent)
 
 
 def _output_written(graph: fx.Graph, att: fx.Node, replaced: fx.Node | None, written: list[fx.Node] | None) -> bool:
@@ -197,19 +197,18 @@ def _emit(graph: fx.Graph, site: Site, plan: MaskPlan, latent: Latent | None, ke
     if seen is not None:
         kept = graph.call_method("gather", (seen, -1, graph.call_method("long", (idx,))))
         idx = graph.call_function(torch.where, (kept, idx, -1))
-    key_mask = None
     offset = masks.emit_sum(graph, plan.offset_terms) if plan.causal else 0
     eager_empty_grad = plan.eager_empty_grad and any(requires_grad(x) for x in (att.q, att.k, att.v))
     if latent is not None:  # the absorption inside the op, a block of query rows at a time
         q, kv = _latent_operands(graph, att.q, latent, B, S)
         out = graph.call_function(torch.ops.hyscale.sparse_attention_mla.default, (
-            q, kv, _weight_heads(graph, latent), idx, latent.Dn, float(att.scale), plan.causal, offset, None,
-            key_mask, plan.empty, eager_empty_grad, *(() if keep_latent else (False,))))
+            q, kv, _weight_heads(graph, latent), idx, latent.Dn, float(att.scale), plan.causal, offset, None, None,
+            plan.empty, eager_empty_grad, *(() if keep_latent else (False,))))
         return graph.call_function(operator.getitem, (out, 0))
     qx = graph.call_method("transpose", (q if cast is None else graph.call_method("to", (q, cast)), 1, 2))
     kx, vx = (_kv_operand(graph, x, B, shape(q)[0], cast) for x in (att.k, att.v))
     out = graph.call_function(torch.ops.hyscale.sparse_attention.default, (
-        qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, key_mask, plan.empty))
+        qx, kx, vx, idx, float(att.scale), plan.causal, offset, None, None, plan.empty))
     o = graph.call_function(operator.getitem, (out, 0))
     if eager_empty_grad:
         lse = graph.call_function(operator.getitem, (out, 1))

@@ -75,8 +75,8 @@ def mask_kind(mask: Tensor | None, strides: tuple, T: int) -> int:
     query row (stride 0 along T after broadcasting, or one row): the filter and the sampler then read one [BS]
     column of it per key tile and keep their fast paths."""
     if mask is None:
-        return 0
-    return 2 if strides[1] == 0 or T == 1 else 1
+        return score_tile.MASK_NONE.value
+    return (score_tile.MASK_KEYS if strides[1] == 0 or T == 1 else score_tile.MASK_TABLE).value
 
 
 def _statics(tile: TileConfig, D: int, act: int, has_w: bool, prec: str, has_mask: int,

@@ -469,11 +469,12 @@ def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int,
         assert dkv_acc.dtype == torch.float32 and dkv_acc.is_contiguous() and dkv_acc.shape == (B, S, G, Dqk)
         acc = dkv_acc.view(B * S, G * Dqk)
     kv = common.last_dim_unit(kv)
+    work = B * T * H > 0 and K > 0 and S > 0
     if out is not None:
         assert out.shape == (B, T, H, Dv) and out.dtype == q.dtype and out.is_contiguous(), "out: [B, T, H, Dv]"
-        if not (B * T * H > 0 and K > 0 and S > 0):
+        if not work:
             out.zero_()
-    if B * T * H > 0 and K > 0 and S > 0:
+    if work:
         _run(dout, delta, q, kv, kv[..., :Dv], lse, indices, scale, picks, dq, acc, fold=True, out=out, dlse=dlse)
     dkv = acc.view(B, S, G, Dqk)
     if empty == "mean":
@@ -519,7 +520,8 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     p_buf = torch.empty(B * rows * H * K if out is not None else 0, dtype=q.dtype, device=q.device)
     idx = indices.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
-    shift = delta if dlse is None else (delta + dlse.float()).contiguous()  # rowsum(dout * the caller's output)
+    # rowsum(dout * the caller's output), for the recomputed output's row term
+    shift = delta if out is None or dlse is None else (delta + dlse.float()).contiguous()
     offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
     km = picks.key_mask.view(torch.uint8) if picks.key_mask is not None else idx
     km_strides = km.stride() if picks.key_mask is not None else (0, 0)
