@@ -32,7 +32,8 @@ from torch import fx
 
 from . import masks, positions
 from .attention_sites import CONSTANT_TENSORS, MASK_ARITHMETIC, VIEWS, Site, constant_fill, differ, mask_op
-from .graph_ops import arg, dtype, is_one, normalize_dim, op_name, same_size, shape, source_line
+from .dim_labels import VALUE_VIEWS, operand_labels, view_input_labels
+from .graph_ops import arg, dtype, is_one, op_name, same_size, shape, source_line
 from .index_expr import Leaf, Reject
 from .legality import requires_grad
 from .report import input_name
@@ -104,39 +105,15 @@ class MaskPlan:
         return " + ".join(self.kinds) or "none"
 
 
-def _labels_for(out_labels: tuple, out_shape, x) -> tuple:
-    """Labels of operand ``x`` of an elementwise op (right-aligned broadcasting; size-1 dims are None)."""
-    sx = shape(x)
-    if sx is None:
+def _labels_for(out_labels: tuple, x) -> tuple:
+    """Labels of operand ``x`` of an elementwise op (right-aligned broadcasting; size-1 dims are None); () for a
+    number."""
+    if shape(x) is None:
         return ()
-    if len(sx) > len(out_labels):
+    labels = operand_labels(out_labels, x)
+    if labels is None:
         raise Reject("a mask operand has more dims than the attention scores")
-    off = len(out_labels) - len(sx)
-    return tuple(None if is_one(d) else out_labels[off + i] for i, d in enumerate(sx))
-
-
-def _view_input_labels(node: fx.Node, labels: tuple) -> tuple:
-    """Labels of a view's input, given the view's labels (views keep every position's value)."""
-    name = op_name(node)
-    src = node.args[0]
-    si, so = shape(src), shape(node)
-    if name in ("identity", "to", "float") or name == "expand":
-        return _labels_for(labels, so, src)
-    if name == "unsqueeze":
-        d = normalize_dim(arg(node, 1, "dim"), len(so))
-        return labels[:d] + labels[d + 1:]
-    real_in = [i for i, d in enumerate(si) if not is_one(d)]
-    real_out = [j for j, d in enumerate(so) if not is_one(d)]
-    if name == "getitem":
-        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if not all(i is None or i is Ellipsis or i == slice(None) for i in idx):
-            raise Reject(f"a mask is sliced ({node.name}) on its way to the attention")
-    if len(real_in) != len(real_out) or not all(same_size(si[i], so[j]) for i, j in zip(real_in, real_out)):
-        raise Reject(f"a mask is reshaped ({node.name}) beyond adding or removing size-1 dims")
-    out = [None] * len(si)
-    for i, j in zip(real_in, real_out):
-        out[i] = labels[j]
-    return tuple(out)
+    return labels
 
 
 class _Expr:
@@ -158,7 +135,7 @@ class _Expr:
         if not all(is_one(d) or same_size(d, n) for d, n in zip(root_shape, scores)):
             raise Reject("the attention mask has a dim larger than the scores' (it broadcasts the output)",
                          site.scatter)
-        self._visit(self.root, _labels_for(DIMS, None, self.root))
+        self._visit(self.root, _labels_for(DIMS, self.root))
 
     def _visit(self, node: fx.Node, labels: tuple) -> None:
         site = self.site
@@ -178,10 +155,10 @@ class _Expr:
             return
         name, _ = mask_op(node)
         if name in VIEWS or name in ("to", "float"):
-            self._visit(node.args[0], _view_input_labels(node, labels))
+            self._visit(node.args[0], view_input_labels(node, labels))
             return
         for a in node.all_input_nodes:
-            self._visit(a, _labels_for(labels, shape(node), a))
+            self._visit(a, _labels_for(labels, a))
 
     def _leaf(self, node: fx.Node, labels: tuple) -> None:
         """A tensor not built from the scatter: a constant, or a boolean partner mask, or float arithmetic over
@@ -203,10 +180,10 @@ class _Expr:
             if inplace:
                 raise Reject(f"the model's mask is updated in place ({node.name})", self.site.scatter)
             if name in VIEWS or name in ("to", "float"):
-                self._visit(node.args[0], _view_input_labels(node, labels))
+                self._visit(node.args[0], view_input_labels(node, labels))
             else:
                 for a in node.all_input_nodes:
-                    self._visit(a, _labels_for(labels, shape(node), a))
+                    self._visit(a, _labels_for(labels, a))
             return
         raise Reject(_unreadable(node), self.site.scatter)
 
@@ -458,7 +435,7 @@ def _atoms(node: fx.Node, labels: tuple, levels: int, through: list[Term]) -> li
             continue
         if not isinstance(a, fx.Node) or dtype(a) != torch.bool:
             return None
-        inner = _atoms(a, _labels_for(labels, shape(node), a), levels - 1, through)
+        inner = _atoms(a, _labels_for(labels, a), levels - 1, through)
         if inner is None:
             return None
         out.extend(inner)
@@ -597,12 +574,11 @@ def _split(site: Site, node: fx.Node, labels: tuple, out: MaskPlan) -> None:
     if name == "and":
         for a in node.args[:2]:
             if isinstance(a, fx.Node):
-                _split(site, a, _labels_for(labels, shape(node), a), out)
+                _split(site, a, _labels_for(labels, a), out)
         return
-    if name in ("identity", "expand", "to", "unsqueeze", "squeeze", "reshape", "getitem") and \
-            dtype(node.args[0]) == torch.bool:
+    if name in VALUE_VIEWS and dtype(node.args[0]) == torch.bool:
         try:
-            inner = _view_input_labels(node, labels)
+            inner = view_input_labels(node, labels)
         except Reject:  # e.g. an advanced index (HF's padding mask read at [batch, key]): a tensor of its own
             inner = None
         if inner is not None:

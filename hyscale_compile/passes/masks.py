@@ -24,8 +24,9 @@ import torch
 from torch import fx
 
 from .attention_sites import CONSTANT_TENSORS, constant_fill, mask_op
-from .graph_ops import dtype, is_one, normalize_dim, same_size, shape, written_in_place
-from .index_expr import Leaf, Score
+from .dim_labels import VALUE_VIEWS, operand_labels, view_input_labels
+from .graph_ops import dtype, written_in_place
+from .index_expr import Leaf, Reject, Score
 from .positions import Neg, Pred, additive_visible_where, neg_term, peel_not, visible_where
 
 NEG_INF = float("-inf")
@@ -262,9 +263,9 @@ def _conjuncts(node, labels: tuple, out: list, seen: dict) -> bool:
         operands = node.args[:2]
         if len(operands) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in operands):
             return False
-        inner = [_operand_labels(labels, a) for a in operands]
+        inner = [operand_labels(labels, a) for a in operands]
         return all(lab is not None and _conjuncts(a, lab, out, seen) for a, lab in zip(operands, inner))
-    if name in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
+    if name in VALUE_VIEWS and node.args and isinstance(node.args[0], fx.Node):
         inner = _view_input_labels(node, labels)
         if inner is not None:
             return _conjuncts(node.args[0], inner, out, seen)
@@ -272,42 +273,11 @@ def _conjuncts(node, labels: tuple, out: list, seen: dict) -> bool:
     return True
 
 
-_VIEWS = ("identity", "to", "expand", "unsqueeze", "squeeze", "reshape", "getitem")
-
-
-def _operand_labels(out_labels: tuple, x: fx.Node) -> tuple | None:
-    """Labels of an operand of an elementwise op (right-aligned broadcasting; size-1 dims are None)."""
-    sx = shape(x)
-    off = len(out_labels) - len(sx) if sx is not None else -1
-    if off < 0:
-        return None
-    return tuple(None if is_one(d) else out_labels[off + i] for i, d in enumerate(sx))
-
-
 def _view_input_labels(node: fx.Node, labels: tuple) -> tuple | None:
-    """Labels of a view's input given the view's, where the view keeps every value of its input (size-1 dims added,
-    dropped or broadcast, the same real dims in the same order); None otherwise (a slice, an advanced index, a
-    reshape that moves data, a ``to`` that is not bool to bool)."""
-    name = mask_op(node)[0]
-    src = node.args[0]
-    si, so = shape(src), shape(node)
-    if si is None or so is None or dtype(src) != torch.bool:
+    """Labels of a bool view's input where the view keeps every value of a bool input, else None."""
+    if dtype(node.args[0]) != torch.bool:  # a ``to`` into bool is a test of its own (nonzero), not a view
         return None
-    if name in ("to", "expand", "identity"):  # bool to bool (both checked): values and broadcasting kept
-        return _operand_labels(labels, src)
-    if name == "unsqueeze":
-        d = normalize_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"), len(so))
-        return labels[:d] + labels[d + 1:]
-    if name == "getitem":
-        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if not all(i is None or i is Ellipsis or i == slice(None) or (isinstance(i, int) and not isinstance(i, bool))
-                   for i in idx):
-            return None
-    real_in = [i for i, d in enumerate(si) if not is_one(d)]
-    real_out = [j for j, d in enumerate(so) if not is_one(d)]
-    if len(real_in) != len(real_out) or not all(same_size(si[i], so[j]) for i, j in zip(real_in, real_out)):
+    try:
+        return view_input_labels(node, labels)
+    except Reject:
         return None
-    inner = [None] * len(si)
-    for i, j in zip(real_in, real_out):
-        inner[i] = labels[j]
-    return tuple(inner)
