@@ -24,7 +24,17 @@ import torch
 from torch import fx
 
 from .attention_sites import CONSTANT_TENSORS, constant_fill, mask_op
-from .graph_ops import dtype, is_one, normalize_dim, same_size, shape, written_in_place
+from .graph_ops import (
+    Aliases,
+    dtype,
+    is_one,
+    mutates,
+    normalize_dim,
+    same_size,
+    shape,
+    written_by,
+    written_in_place,
+)
 from .index_expr import Leaf, Score
 from .positions import Neg, Pred, additive_visible_where, neg_term, peel_not, visible_where
 
@@ -268,8 +278,25 @@ def _conjuncts(node, labels: tuple, out: list, seen: dict) -> bool:
         inner = _view_input_labels(node, labels)
         if inner is not None:
             return _conjuncts(node.args[0], inner, out, seen)
+    if _written_after(node):
+        return False
     out.append((node, labels))
     return True
+
+
+def _written_after(node: fx.Node) -> bool:
+    """Whether a call after ``node`` may write its memory through any alias (``pad[:, 1:]`` is written by
+    ``pad.fill_(...)``): the model read the term at its ``&``, the op would read it where the top-k stands."""
+    graph = node.graph
+    aliases, after = Aliases(graph), False
+    for n in graph.nodes:
+        if n is node:
+            after = True
+        elif after and mutates(n):
+            targets = written_by(n)
+            if targets is None or any(aliases.may_alias(t, node) for t in targets):
+                return True
+    return False
 
 
 _VIEWS = ("identity", "to", "expand", "unsqueeze", "squeeze", "reshape", "getitem")
