@@ -145,6 +145,19 @@ def run_entry_points(parts=PARTS) -> None:
                 if alias:  # the latent entry: dv folded into dk's contribution
                     out = hyscale_compile.sparse_attention_latent(q, kv, picks, value_dim=Dv, query_offset=248)
                     out.float().sum().backward()
+                    _latent_backward_recomputing_the_output(q.detach(), kv.detach(), picks, Dv)
+
+
+def _latent_backward_recomputing_the_output(q, kv, picks, Dv: int) -> None:
+    """The absorbed MLA op's backward without its kept output (options["recompute_latent"]): the contribution
+    kernel storing p and the recomputing dq kernel's column blocks."""
+    from hyscale_compile.runtime.sparse_attention import Picks, backward, forward
+
+    rule = Picks(causal=True, offset=248)
+    out, lse = forward.forward(q, kv, kv[..., :Dv], picks, 0.1, rule, "zero")
+    delta = torch.zeros(lse.shape, dtype=torch.float32)
+    backward.backward_latent(torch.randn_like(out), delta, q, kv, Dv, lse, picks, 0.1, rule, "zero",
+                             out=torch.empty_like(out), dlse=delta)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,8 @@ LATENT_CASES = {
     "offsets": Case(H=2, G=1, Dqk=24, Dv=16, alias=True, offset="tensor"),
     "odd": Case(B=1, T=4, H=5, G=1, Dqk=20, Dv=12, S=17, K=9, alias=True),  # sizes no block divides
     "groups": Case(H=6, G=2, Dqk=24, Dv=16, offset=8),  # two kv groups, v taken as kv[..., :Dv] below
+    # value features wide enough that the recomputing dq kernel splits them between two programs (16 columns each)
+    "wide": Case(H=3, G=1, Dqk=40, Dv=32, K=9, offset=4, alias=True),
 }
 
 
@@ -206,7 +208,7 @@ def test_latent_backward_matches_reference(name, empty):
 
 
 @pytest.mark.parametrize("name,empty", [("mla", "zero"), ("key_mask", "zero"), ("offsets", "zero"), ("odd", "zero"),
-                                        ("few", "mean")])  # (groups: the op's latent layout has one kv row)
+                                        ("few", "mean"), ("wide", "zero")])  # (groups: the latent layout has one kv row)
 def test_latent_backward_recomputes_the_output(name, empty):
     """out= : the forward's output recomputed from the backward's p (empty rows as the forward gives them: 0 or the
     mean of v) equals the forward's and the reference's recomputation; with the caller's delta from the exact
@@ -222,12 +224,12 @@ def test_latent_backward_recomputes_the_output(name, empty):
     _close(got, _run_latent("naive", q, kv, idx, picks, dout, case.Dv, empty, dlse=dlse, recompute=True), 2e-5)
 
 
-@pytest.mark.parametrize("sliced", [False, True])
-def test_latent_dq_takes_the_row_term_of_the_recomputed_output(monkeypatch, sliced):
+@pytest.mark.parametrize("name,sliced", [("mla", False), ("mla", True), ("wide", True)])
+def test_latent_dq_takes_the_row_term_of_the_recomputed_output(monkeypatch, name, sliced):
     """Where the caller's delta is off by eps per row and head (an output it rounded), dq equals the backward run
-    with the delta of the exact output (the kernel's correction in one slice, the host's on summed slices), and
+    with the delta of the exact output (the correction in each slice's partial, whose sum the host forms), and
     dkv is that of the caller's delta (its contributions precede the recomputed output)."""
-    case = LATENT_CASES["mla"]
+    case = LATENT_CASES[name]
     q, kv, idx, picks, dout = _latent_problem(case, seed=4)
     if sliced:
         monkeypatch.setattr(backward, "_slices", lambda programs, K, BK, device: 2)
@@ -242,6 +244,21 @@ def test_latent_dq_takes_the_row_term_of_the_recomputed_output(monkeypatch, slic
     _same((dkv,), (dkv_off,))
     assert not torch.allclose(dq, backward.backward_latent(dout, off, q, kv, case.Dv, lse, idx, 0.4, picks,
                                                            "zero")[0], atol=1e-4)
+
+
+def test_recomputing_dq_split_into_column_blocks_as_one_block(monkeypatch):
+    """The recomputing dq kernel's column blocks (the B block with the last) give what one block gives: each column
+    sums the same picks in the same order; with slices too."""
+    case = LATENT_CASES["wide"]
+    assert common.split(case.Dqk, case.Dv, True)[1] // backward.OUT_COL_SPLIT >= 16  # the split is taken
+    q, kv, idx, picks, dout = _latent_problem(case, seed=3)
+    dlse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    split = _run_latent("triton", q, kv, idx, picks, dout, case.Dv, dlse=dlse, recompute=True)
+    monkeypatch.setattr(backward, "OUT_COL_SPLIT", 1)
+    whole = _run_latent("triton", q, kv, idx, picks, dout, case.Dv, dlse=dlse, recompute=True)
+    _close(split, whole, 1e-6)
+    monkeypatch.setattr(backward, "_slices", lambda programs, K, BK, device: 2)
+    _close(_run_latent("triton", q, kv, idx, picks, dout, case.Dv, dlse=dlse, recompute=True), whole, 2e-6)
 
 
 def test_latent_dropped_picks_contribute_nothing():

@@ -66,9 +66,12 @@ STAGES: int | None = None
 SPLIT: bool | None = None  # dq and the contributions in two passes (None: where a program's tiles are wide)
 CHUNK = 64  # contribution columns per store in the second pass of a split
 DQ_STAGES: int | None = 2  # the dq kernel's pick loop (None: STAGES)
-# Heads a dq program handles when it also recomputes the output (two fp32 accumulators, [BH, 576] and [BH, 512] in
-# the MLA layer: 64 heads would need 272 registers a thread at 8 warps); None: the dq kernel's own.
-OUT_HEAD_BLOCK: int | None = 32
+# Heads a dq program handles when it also recomputes the output; None: the dq kernel's own.
+OUT_HEAD_BLOCK: int | None = None
+# Column blocks of the A block (the value features) that a row's dq / output programs split between them when the
+# output is recomputed: two fp32 accumulators a column ([BH, 576] and [BH, 512] whole in the MLA layer need 272
+# registers a thread at 64 heads and 8 warps; a half each, 160), the MMAs at the dq kernel's own 64 heads.
+OUT_COL_SPLIT = 2
 CONTRIB_PICKS: int | None = None  # picks a block of the contribution kernel (None: PICKS's rule, then ``passes``')
 CONTRIB_STAGES = 4  # the contribution kernel's feature-chunk loops pipelined this deep (1: not pipelined)
 # Programs per SM to aim for by splitting each row's picks into slices (0: one slice per row).
@@ -206,7 +209,8 @@ def _contrib_chunk(q_row, do_row, dst, ds_t, p_t, ok, hmask, c0, hb, scale, DA, 
 
 @triton.jit
 def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, offs_ptr, km_ptr, place_ptr,
-                    contrib_ptr, ds_ptr, p_ptr, T, S, K, H, HG, NHB, G, Dqk, Dv, W, offset, scale, scale_log2,
+                    contrib_ptr, ds_ptr, p_ptr, rd_ptr, NKB, T, S, K, H, HG, NHB, G, Dqk, Dv, W, offset, scale,
+                    scale_log2,
                     sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, sdo_b, sdo_t, sdo_h, skm_b, skm_s,
                     t0, R, slice_picks, q_t0, do_t0,
                     CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, ALIAS: tl.constexpr,
@@ -221,7 +225,9 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
     # ds^T q (* scale) (+ p^T dout), the heads being the MMA's K dimension. Head blocks past the first (more
     # than BH heads a group) add theirs to the stored columns in order (the program's own: no other reads them).
     # ds (in q's dtype, as the dq MMA takes it) goes to ds_ptr [chunk rows, H, K] for the dq kernel, and with
-    # STORE_P p (rounded as the contribution MMA takes it) to p_ptr, for the dq kernel's recomputed output. The chunk
+    # STORE_P p (rounded as the contribution MMA takes it) to p_ptr, for the dq kernel's recomputed output, and each
+    # block's row sums of p * dp to rd_ptr [chunk rows, H, NKB] (the host sums a row's blocks into the row term of
+    # the dp formed here, sum_j p_j dp_j, which the dq kernel's correction needs before any output exists). The chunk
     # loops are loops, not unrolled, so that the pipeliner overlaps a chunk's loads (the gathered rows) with the
     # previous chunk's MMAs: CSTAGES deep, one buffer set of a chunk (q, k, dout: ~40 KB at 128 heads) a stage.
     # q and dout rows are [H, D] blocks: q_t0 / do_t0 is the first row of a chunk's row-major copy (0: none).
@@ -268,6 +274,7 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
             p16 = p.to(do_ptr.dtype.element_ty)
             if STORE_P:
                 tl.store(p_ptr + at, p16, mask=kept)
+                tl.store(rd_ptr + (pid * H + h) * NKB + k0 // BK, tl.sum(tl.where(kept, p * dp, 0.0), 1), mask=hmask)
             ds_t = tl.trans(ds)
             p_t = tl.trans(p16)
             if MULTI_HB:
@@ -295,34 +302,36 @@ def _contrib_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, of
 
 
 @triton.jit
-def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, do_ptr, shift_ptr, lse_ptr, B, T, S, K,
-               H, HG, NHB, G, Dqk, offset, scale, sk_b, sk_s, sk_g, skm_b, skm_s, sdo_b, sdo_t, sdo_h, t0, R,
+def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, eps_ptr, B, T, S, K,
+               H, HG, NHB, G, Dqk, offset, scale, sk_b, sk_s, sk_g, skm_b, skm_s, t0, R,
                slice_picks, dq_T, dq_t0, O_W,
                CAUSAL: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_KM: tl.constexpr, PREC: tl.constexpr,
                DA: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-               WITH_O: tl.constexpr, CORRECT: tl.constexpr):
+               WITH_O: tl.constexpr, NCOL: tl.constexpr):
     # dq of a split backward from the ds the contribution kernel stored: dq = scale * ds @ k over a row's kept
     # picks (dropped ones: ds not stored, loaded as 0; their rows load nothing). One program per (query row,
-    # kv group, block of BH heads, slice of picks), the head blocks of a row adjacent in launch order (they
-    # gather the same key rows). WITH_O (the latent layout, v = the A block): also o = p @ k from the stored p,
-    # on the same gathered rows: its A block is the forward's output (stored O_W wide: DA, or Dqk with the tail
-    # for a slice's partial). CORRECT (one slice a row, so o is whole): dq takes the softmax row term
-    # consistent with the dp the contributions used, rowsum(dout * o) - dlse, in place of the caller's (from the
-    # model's rounded output): ds - p * eps summed against k is dq - eps * o, eps = rowsum(dout * o) - shift,
-    # shift = the caller's delta + dlse; none at an empty row (lse -inf: p = 0, and an infinite lse gradient or a
-    # non-finite dout there would make eps * 0 NaN).
-    GH = G * NHB
+    # kv group, block of BH heads, column block, slice of picks), the programs of a row adjacent in launch order
+    # (they gather the same key rows). WITH_O (the latent layout, v = the A block): also o = p @ k from the
+    # stored p, on the same gathered rows: its A block is the forward's output (stored O_W = DA wide), and dq
+    # takes the softmax row term of the dp the contributions formed, sum_j p_j dp_j - dlse, in place of the
+    # caller's (from the model's rounded output): ds - p * eps summed against k is dq - eps * (p @ k), with eps
+    # [chunk rows, H] from the host (0 at an empty row). Linear in the picks, so a slice's partial takes it too.
+    # The A block's columns are split NCOL ways between programs (two accumulators a column with WITH_O); the
+    # B block (the tail past DA) goes with the last column block, the others load none of it.
+    GH = G * NHB * NCOL
     flat = tl.program_id(0).to(tl.int64)
     pid = flat // GH
-    g = (flat % GH) // NHB
-    hb = flat % NHB
+    g = (flat % GH) // (NHB * NCOL)
+    hb = (flat % (NHB * NCOL)) // NCOL
+    col = flat % NCOL
     part = tl.program_id(1).to(tl.int64)
     b, t, row = chunk_row(pid, R, t0, T)
     h, hmask = block_heads(hb, g, HG, BH)
-    ca = tl.arange(0, BDA)
+    ca = col * BDA + tl.arange(0, BDA)
     dqa = tl.zeros((BH, BDA), tl.float32)
     if BDB > 0:
         cb = DA + tl.arange(0, BDB)
+        b_w = tl.where(col == NCOL - 1, Dqk, DA)  # the B block's columns below b_w: none but in the last block
         dqb = tl.zeros((BH, BDB), tl.float32)
     if WITH_O:
         oa = tl.zeros((BH, BDA), tl.float32)
@@ -344,27 +353,21 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, d
             p = tl.load(p_ptr + at, mask=hmask[:, None] & ok[None, :], other=0.0)
             oa = mm_acc(p, ka, oa, PREC)
         if BDB > 0:
-            kb = load_rows(k_base, ids, ok, sk_s, cb, Dqk)
+            kb = load_rows(k_base, ids, ok, sk_s, cb, b_w)
             dqb = mm_acc(ds, kb, dqb, PREC)
             if WITH_O:
                 ob = mm_acc(p, kb, ob, PREC)
-    if CORRECT:
-        do_row = do_ptr + b * sdo_b + t * sdo_t + h[:, None] * sdo_h
-        do = tl.load(do_row + ca[None, :], mask=hmask[:, None] & (ca < DA)[None, :], other=0.0).to(tl.float32)
-        eps = tl.sum(do * oa, 1) - tl.load(shift_ptr + row * H + h, mask=hmask, other=0.0)
-        eps = tl.where(tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0) == float("-inf"), 0.0, eps)
+    if WITH_O:
+        eps = tl.load(eps_ptr + pid * H + h, mask=hmask, other=0.0)
         dqa -= eps[:, None] * oa
         if BDB > 0:
             dqb -= eps[:, None] * ob
     dq_row = ((part * B + b) * dq_T + t - dq_t0) * H + h
     store_dq(dq_ptr, dq_row, ca, dqa, scale, hmask, DA, Dqk)
     if BDB > 0:
-        store_dq(dq_ptr, dq_row, cb, dqb, scale, hmask, Dqk, Dqk)
+        store_dq(dq_ptr, dq_row, cb, dqb, scale, hmask, b_w, Dqk)
     if WITH_O:
         store_dq(o_ptr, dq_row, ca, oa, 1.0, hmask, DA, O_W)
-        if BDB > 0:
-            if O_W > DA:
-                store_dq(o_ptr, dq_row, cb, ob, 1.0, hmask, Dqk, O_W)
 
 
 @triton.jit
@@ -486,6 +489,15 @@ def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int,
     return dq, (dkv if dkv_acc is not None else dkv.to(kv.dtype))
 
 
+def _row_term(rd: Tensor, NKB: int, shift: Tensor, lse: Tensor, t0: int, R: int) -> Tensor:
+    """eps [B * R, H] of a chunk: sum_j p_j dp_j (the contribution blocks' row sums, in block order) - shift; 0 at an
+    empty row (lse -inf: p = 0, and an infinite lse gradient or a non-finite dout there would make eps * 0 NaN)."""
+    B, _, H = shift.shape
+    rows = slice(t0, t0 + R)
+    eps = rd[:B * R * H * NKB].view(B, R, H, NKB).sum(-1) - shift[:, rows]
+    return torch.where(empty_rows(lse[:, rows]), 0.0, eps).contiguous()
+
+
 def contrib_heads(HG: int, dtype: torch.dtype) -> int:
     """Heads a contribution program handles per head block (all of a group's up to CONTRIB_HEAD_BLOCK)."""
     return min(common.pow2(HG), CONTRIB_HEAD_BLOCK if dtype != torch.float32 else CONTRIB_HEAD_BLOCK // 2)
@@ -508,6 +520,7 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     assert split or out is None, "the output is recomputed by the split backward's dq kernel"
     BHQ = BH if out is None else min(BH, OUT_HEAD_BLOCK or BH)  # heads a dq program
     NHBQ = triton.cdiv(HG, BHQ)
+    NCOL = OUT_COL_SPLIT if out is not None and BDA % OUT_COL_SPLIT == 0 and BDA // OUT_COL_SPLIT >= 16 else 1
     CBH = contrib_heads(HG, q.dtype)
     CNHB = triton.cdiv(HG, CBH)
     contrib_blocks = 1 if split else NHB  # a contribution per pick (all heads), or per pick and head block
@@ -518,9 +531,12 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     contrib = torch.empty(B * rows * K * contrib_blocks * G * W, dtype=torch.float32, device=q.device)
     ds = torch.empty(B * rows * H * K if split else 0, dtype=q.dtype, device=q.device)
     p_buf = torch.empty(B * rows * H * K if out is not None else 0, dtype=q.dtype, device=q.device)
+    # the contribution blocks' row sums of p * dp, for the recomputed output's row term
+    NKB = triton.cdiv(K, launches[-1][2]) if out is not None else 0
+    rd = torch.empty(B * rows * H * NKB, dtype=torch.float32, device=q.device)
     idx = indices.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
-    # rowsum(dout * the caller's output), for the recomputed output's row term
+    # rowsum(dout * the caller's output): what the row term of the recomputed output replaces
     shift = delta if out is None or dlse is None else (delta + dlse.float()).contiguous()
     offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
     km = picks.key_mask.view(torch.uint8) if picks.key_mask is not None else idx
@@ -536,14 +552,14 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
         place, keys, ends = pick_order(idx[:, t0:t0 + R], t0, S, picks)
-        P = _slices(B * R * G * (NHBQ if split else NHB), K, step, q.device)
+        P = _slices(B * R * G * (NHBQ * NCOL if split else NHB), K, step, q.device)
         slice_picks = triton.cdiv(triton.cdiv(K, P), step) * step
         P = triton.cdiv(K, slice_picks)
         dq_out, o_out, dq_T, dq_t0 = dq, out, T, 0
         if P > 1:
             dq_out, dq_T, dq_t0 = torch.empty(P, B, R, H, Dqk, dtype=torch.float32, device=q.device), R, t0
-            if out is not None:  # o and its tail, for the row term of the summed dq
-                o_out = torch.empty(P, B, R, H, Dqk, dtype=torch.float32, device=q.device)
+            if out is not None:
+                o_out = torch.empty(P, B, R, H, Dv, dtype=torch.float32, device=q.device)
         if not split:
             _, _, BK, _, warps, stages = launches[0]
             _row_kernel[(B * R, G * NHB, P)](
@@ -559,24 +575,20 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
             c_picks = triton.cdiv(triton.cdiv(K, PC), BK) * BK
             (q_c, q_t0), (do_c, do_t0) = _row_major_rows(q, t0, R), _row_major_rows(dout, t0, R)
             _contrib_kernel[(B * R, G, triton.cdiv(K, c_picks))](
-                q_c, k, v, do_c, lse, delta, idx, offs, km, place, contrib, ds, p_buf, T, S, K, H, HG, CNHB, G, Dqk,
-                Dv, W, int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides_of(q_c, do_c), t0, R,
-                c_picks, q_t0, do_t0, ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH,
+                q_c, k, v, do_c, lse, delta, idx, offs, km, place, contrib, ds, p_buf, rd, NKB, T, S, K, H, HG, CNHB,
+                G, Dqk, Dv, W, int(picks.offset), float(scale), float(scale) * common.LOG2E, *strides_of(q_c, do_c),
+                t0, R, c_picks, q_t0, do_t0, ALIAS=alias, FOLD=fold, MULTI_HB=CNHB > 1, BDV=BDV, BH=CBH, BK=BK, CH=CH,
                 CSTAGES=CONTRIB_STAGES, STORE_P=out is not None, num_warps=warps, num_stages=stages, **flags)
-            _dq_kernel[(B * R * G * NHBQ, P)](
-                k, idx, offs, km, ds, dq_out, p_buf, dq_out if o_out is None else o_out, dout, shift, lse, B, T, S, K,
-                H, HG, NHBQ, G, Dqk, int(picks.offset), float(scale), *k.stride()[:3], *km_strides, *dout.stride()[:3],
-                t0, R, slice_picks, dq_T, dq_t0, Dv if P == 1 else Dqk, BH=BHQ, BK=BKQ, WITH_O=out is not None,
-                CORRECT=out is not None and P == 1, num_warps=warps_q, num_stages=stages_q, **flags)
-        if P > 1 and out is not None:  # the row term's correction on the summed partials (the kernel's, in fp32)
-            o_full = o_out.sum(0)
-            rows_t = slice(t0, t0 + R)
-            eps = (dout[:, rows_t].float() * o_full[..., :Dv]).sum(-1) - shift[:, rows_t]
-            eps = torch.where(empty_rows(lse[:, rows_t]), 0.0, eps)  # as the kernel's
-            dq[:, rows_t] = dq_out.sum(0) - float(scale) * eps[..., None] * o_full
-            out[:, rows_t] = o_full[..., :Dv]
-        elif P > 1:
+            eps = rd if out is None else _row_term(rd, NKB, shift, lse, t0, R)
+            _dq_kernel[(B * R * G * NHBQ * NCOL, P)](
+                k, idx, offs, km, ds, dq_out, p_buf, dq_out if o_out is None else o_out, eps, B, T, S, K,
+                H, HG, NHBQ, G, Dqk, int(picks.offset), float(scale), *k.stride()[:3], *km_strides,
+                t0, R, slice_picks, dq_T, dq_t0, Dv, **dict(flags, BDA=BDA // NCOL), BH=BHQ, BK=BKQ,
+                WITH_O=out is not None, NCOL=NCOL, num_warps=warps_q, num_stages=stages_q)
+        if P > 1:  # the slices' partials (each took the row term: it is linear in the picks), in slice order
             dq[:, t0:t0 + R] = dq_out.sum(0)
+            if out is not None:
+                out[:, t0:t0 + R] = o_out.sum(0)
         n = keys.numel()
         _segment_kernel[(triton.cdiv(n, SEGMENT_KEYS), triton.cdiv(G * W, SEGMENT_COLS))](
             contrib, keys, ends, acc, n, B * S, G * W, contrib_blocks, BKEY=SEGMENT_KEYS, BC=SEGMENT_COLS)

@@ -173,10 +173,12 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 
     With ``out``, ``delta`` is the caller's approximation, from an output it did not keep (``dlse``: the lse
     gradient it includes, or None), and dq takes the row term consistent with the recomputed o instead:
-    ds' = ds - p * eps, eps = rowsum(dout * o) - dlse - delta, so dq = scale * (ds @ k - eps * (p @ k)). The
-    softmax backward needs delta = sum_j p_j dp_j for the dp it forms; from a rounded output (another rounding of
-    dout than the one dp is formed from: the absorbed MLA op's dout * out over the projected features) the
-    difference is not a rounding of ds but a bias p * eps in every pick, which dq would sum over the row's picks.
+    ds' = ds - p * eps, eps = sum_j p_j dp_j - dlse - delta (= rowsum(dout * o) - dlse - delta), so
+    dq = scale * (ds @ k - eps * (p @ k)). The softmax backward needs delta = sum_j p_j dp_j for the dp it forms;
+    from a rounded output (another rounding of dout than the one dp is formed from: the absorbed MLA op's
+    dout * out over the projected features) the difference is not a rounding of ds but a bias p * eps in every
+    pick, which dq would sum over the row's picks. The sum over the picks needs no output: the kernels form it
+    with dp, before any o exists.
     dk and dv keep the caller's delta (their sums over the rows that pick a key are formed before o is known).
 
     p = exp(scale * q.k - lse), dp = dout . v, ds = p * (dp - delta); dq = scale * ds @ k,
@@ -201,7 +203,9 @@ def backward(dout: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
         if out is not None:
             o = _output(p, vg, lse[:, t0:t1], vmean)
             out[:, t0:t1] = o.reshape(B, R, H, Dv).to(out.dtype)
-            eps = (dog * o).sum(-1, keepdim=True) - delta[:, t0:t1].to(ct).view(B, R, G, H // G, 1)
+            # sum_j p_j dp_j: rowsum(dout * o) of the o that p gives, formed from the dp the sums above used
+            pdp = torch.where(kept[:, :, None, None, :], p * dp, 0.0)
+            eps = pdp.sum(-1, keepdim=True) - delta[:, t0:t1].to(ct).view(B, R, G, H // G, 1)
             if dlse is not None:
                 eps = eps - dlse[:, t0:t1].to(ct).view(B, R, G, H // G, 1)
             # an empty row has p = 0: no correction, whatever its delta and dlse are (an infinite lse gradient at
