@@ -312,6 +312,9 @@ def test_latent_16_bit_takes_128_picks_a_contribution_block():
     assert backward.passes(4, 16, 8, 16, torch.bfloat16, 160, fold=True)[1][1][2] == 128
     assert backward.passes(4, 16, 8, 16, torch.float32, 160, fold=True)[1][1][2] == 16
     assert backward.passes(128, 512, 64, 512, torch.bfloat16, 2048)[1][1][2] == 64  # wide tiles, no fold
+    # the dq kernel: 64 picks a block, 128 where it recomputes the output (half the A block's columns a program)
+    assert backward.passes(128, 512, 64, 512, torch.bfloat16, 2048, fold=True)[1][0][2] == 64
+    assert backward.passes(128, 512, 64, 512, torch.bfloat16, 2048, fold=True, recompute=True)[1][0][2] == 128
     case = Case(B=1, T=3, H=4, G=1, Dqk=24, Dv=16, S=200, K=160, offset=197, alias=True)
     q, kv, _, idx, picks, dout = _problem(case, dtype=torch.bfloat16, seed=11)
     _close(_run_latent("triton", q, kv, idx, picks, dout, case.Dv),

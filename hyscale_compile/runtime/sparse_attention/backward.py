@@ -66,6 +66,11 @@ STAGES: int | None = None
 SPLIT: bool | None = None  # dq and the contributions in two passes (None: where a program's tiles are wide)
 CHUNK = 64  # contribution columns per store in the second pass of a split
 DQ_STAGES: int | None = 2  # the dq kernel's pick loop (None: STAGES)
+# Picks a block of the 16-bit dq kernel: more picks a block hide more of each block's gathers behind its MMAs
+# (the stages of the whole A block take 80 KB of shared memory at 64 picks in the MLA layer); where the output is
+# recomputed, each program's A columns are half as wide and 128 fit.
+DQ_PICKS = 64
+DQ_PICKS_RECOMPUTING = 128
 # Heads a dq program handles when it also recomputes the output; None: the dq kernel's own.
 OUT_HEAD_BLOCK: int | None = None
 # Column blocks of the A block (the value features) that a row's dq / output programs split between them when the
@@ -81,7 +86,7 @@ SEGMENT_COLS = 256  # contribution columns per program of the segment kernel
 
 
 def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
-           fold: bool = False) -> tuple[int, list[tuple]]:
+           fold: bool = False, recompute: bool = False) -> tuple[int, list[tuple]]:
     """(BH, passes), a pass being (DO_DQ, DO_KV, BK, CH, warps, stages); BH is the heads of a row kernel or dq
     kernel program (the contribution kernel takes a group's heads up to CONTRIB_HEAD_BLOCK: ``contrib_heads``).
 
@@ -89,9 +94,10 @@ def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
     at BK = 32, 4 warps). Wide tiles (the MLA layer) do not fit one program on sm_90 (dq's accumulator
     [64, 576] fp32 alone is 144 registers a thread at 8 warps; q and dout held twice in shared memory, as A
     and as B operand, exceed it), and the latent entry folds dv into dk per pick: two passes, the dq kernel
-    (BK = 32, first tuple) after the contribution kernel (CH feature columns at a time, second tuple; BK = 128
-    picks for the 16-bit latent entry: q and dout are re-read once per block of picks, and halving those re-reads
-    outweighs the registers ptxas spills there; 64 elsewhere). ptxas for sm_90a (bf16, MLA at 128 heads) and the
+    (BK = DQ_PICKS, DQ_PICKS_RECOMPUTING where it recomputes the output: first tuple) after the contribution
+    kernel (CH feature columns at a time, second tuple; BK = 128 picks for the 16-bit latent entry: q and dout are
+    re-read once per block of picks, and halving those re-reads outweighs the registers ptxas spills there; 64
+    elsewhere). ptxas for sm_90a (bf16, MLA at 128 heads) and the
     timings: benchmarks/NOTES-sparse-attention.md. fp32 (tf32x3): 16 heads a dq program, BK = 16 (launchable,
     spilling: the model computes this layer in 16-bit)."""
     BH, wide = common.head_block(HG, BDA + BDB + BDV, dtype, HEAD_BLOCK)
@@ -104,7 +110,8 @@ def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
 
     if not split:
         return BH, [(True, True, bk(32), 0, warps, stages)]
-    return BH, [(True, False, bk(16 if fp32 else 32), 0, warps, DQ_STAGES or stages),
+    dq_picks = 16 if fp32 else DQ_PICKS_RECOMPUTING if recompute else DQ_PICKS
+    return BH, [(True, False, bk(dq_picks), 0, warps, DQ_STAGES or stages),
                 (False, True, bk(16 if fp32 else 128 if fold else 64, CONTRIB_PICKS), min(CHUNK, BDA, BDV), warps,
                  stages)]
 
@@ -514,7 +521,7 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     alias = common.aliases(k, v)
     assert alias or not fold, "the folded (latent) backward needs v = k[..., :Dv]"
     DA, BDA, BDB, BDV = common.split(Dqk, Dv, alias)
-    BH, launches = passes(HG, BDA, BDB, BDV, q.dtype, K, fold)
+    BH, launches = passes(HG, BDA, BDB, BDV, q.dtype, K, fold, recompute=out is not None)
     NHB = triton.cdiv(HG, BH)
     split = len(launches) > 1
     assert split or out is None, "the output is recomputed by the split backward's dq kernel"
