@@ -312,6 +312,9 @@ def test_latent_16_bit_takes_128_picks_a_contribution_block():
     assert backward.passes(4, 16, 8, 16, torch.bfloat16, 160, fold=True)[1][1][2] == 128
     assert backward.passes(4, 16, 8, 16, torch.float32, 160, fold=True)[1][1][2] == 16
     assert backward.passes(128, 512, 64, 512, torch.bfloat16, 2048)[1][1][2] == 64  # wide tiles, no fold
+    # the forward: 64 picks a block in the 16-bit MLA layer (32 left its gathers waiting), 16 for fp32's wide tiles
+    assert forward.config(128, 512, 64, 512, torch.bfloat16, 2048)[:2] == (64, 64)
+    assert forward.config(128, 512, 64, 512, torch.float32, 2048)[:2] == (16, 16)
     # the dq kernel: 64 picks a block, 128 where it recomputes the output (half the A block's columns a program)
     assert backward.passes(128, 512, 64, 512, torch.bfloat16, 2048, fold=True)[1][0][2] == 64
     assert backward.passes(128, 512, 64, 512, torch.bfloat16, 2048, fold=True, recompute=True)[1][0][2] == 128

@@ -35,12 +35,13 @@ STAGES: int | None = None
 def config(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int) -> tuple[int, int, int, int]:
     """(BH, BK, warps, stages) for HG heads per group and the padded feature widths.
 
-    ptxas for sm_90a, bf16, no spills: MLA (64 heads, 512 + 64, v = the A block) at BK = 32, 8 warps, 2
-    stages: 255 registers, 147 KB shared (BK = 64 spilled 24 to 1500 bytes); GQA / MHA (16 heads, 128 or
-    128 + 64) at BK = 64, 4 warps, 2 stages: 122 / 168 registers. fp32 (tf32x3) tiles are twice as wide:
-    16 heads a program. Not yet timed on the device."""
+    ptxas for sm_90a, bf16: MLA (64 heads, 512 + 64, v = the A block) at BK = 64, 8 warps, 2 stages: 255
+    registers and 104 bytes spilled, 222 KB shared (BK = 32: no spill, 148 KB, but a third slower on the
+    device: its gathers wait; 32 heads at BK = 64 slower still); GQA / MHA (16 heads, 128 or 128 + 64) at BK = 64,
+    4 warps, 2 stages: 122 / 168 registers. fp32 (tf32x3) tiles are twice as wide: 16 heads a program, BK = 16
+    (wide) or 32. Timings: benchmarks/NOTES-sparse-attention.md."""
     BH, wide = common.head_block(HG, BDA + BDB + BDV, dtype, HEAD_BLOCK)
-    BK = min(PICKS or (16 if wide and dtype == torch.float32 else 32 if wide or dtype == torch.float32 else 64),
+    BK = min(PICKS or (16 if wide and dtype == torch.float32 else 32 if dtype == torch.float32 else 64),
              common.pow2(K))
     return BH, BK, WARPS or (8 if wide else 4), STAGES or 2
 
