@@ -497,8 +497,9 @@ def backward_latent(dout: Tensor, delta: Tensor, q: Tensor, kv: Tensor, Dv: int,
 
 
 def _row_term(rd: Tensor, NKB: int, shift: Tensor, lse: Tensor, t0: int, R: int) -> Tensor:
-    """eps [B * R, H] of a chunk: sum_j p_j dp_j (the contribution blocks' row sums, in block order) - shift; 0 at an
-    empty row (lse -inf: p = 0, and an infinite lse gradient or a non-finite dout there would make eps * 0 NaN)."""
+    """eps [B, R, H] of a chunk, contiguous (the dq kernel reads row b * R + r): sum_j p_j dp_j (the contribution
+    blocks' row sums, in block order) - shift; 0 at an empty row (lse -inf: p = 0, and an infinite lse gradient or
+    a non-finite dout there would make eps * 0 NaN)."""
     B, _, H = shift.shape
     rows = slice(t0, t0 + R)
     eps = rd[:B * R * H * NKB].view(B, R, H, NKB).sum(-1) - shift[:, rows]
