@@ -14,8 +14,9 @@ on the layout:
 
 The rates are fitted to ``benchmarks/sparse_attention.py`` on the H200 (the GQA and per-head layouts and the
 dense baselines: results/sparse_attention.json, T = S = 8192, k = 2048, bf16) and, for the latent op, to the
-sparse kernels of the DeepSeek-V3.2 layer step (results/model.json's profiled kernels at T = 32768 and 65536,
-after the latent backward's kernel changes, which the 8K latent row predates); the decisions they give are
+sparse kernels of the DeepSeek-V3.2 layer step (results/model.json's profiled kernels at T = 65536 with the
+kernels of fa7ec5a: forward, contribution, segment and dq; the 8K latent row and the 32K step predate them); the
+decisions they give are
 checked against the layer's measured steps (tests/test_attention_cost.py). They are first-order and will move
 with the kernels, which is why the decision is an estimate with a margin and ``options["attention"] = "always"``
 overrides it. A training graph (any of q, k, v needs a gradient) counts forward and backward; an inference graph
@@ -33,12 +34,13 @@ import torch
 # Per-pick rates of the Triton op (milliseconds), fitted as above.
 GATHER_BYTES_PER_MS = 6.0e9  # forward: gathered kv bytes
 SPARSE_FWD_FLOPS_PER_MS = 1.85e11  # forward: 2 * H * (Dqk + Dv) a pick
+SPARSE_FWD_FLOPS_PER_MS_LATENT = 2.17e11  # the latent op's forward (its 16-bit wide tiles take 64 picks a block)
 BWD_MS_PER_PICK = 2.05e-6  # backward: fixed cost of a pick (the sort by key, the segment pass)
 BWD_MS_PER_CONTRIB = 5.41e-9  # backward: a pick's fp32 contribution values, written and read back
 BWD_MS_PER_FLOP = 3.8e-11  # backward: the recomputed products
 # The latent op's backward: the contribution and dq kernels (stored ds, one contribution for all heads) per flop,
 # and per value of a pick's contribution the segment pass that reads it back, with the sort, delta and copies.
-BWD_MS_PER_FLOP_LATENT = 1.53e-11
+BWD_MS_PER_FLOP_LATENT = 1.32e-11
 BWD_LATENT_MS_PER_CONTRIB = 2.53e-9
 HEAD_BLOCK = 64  # query heads of one kv group a backward program handles (contribution rows per pick)
 # Dense attention as the model runs it (SDPA's kernels over all S keys: a boolean or additive mask skips none).
@@ -78,7 +80,8 @@ def sparse_ms(s: Shape) -> float:
     picks = s.B * s.T * min(s.k, s.S)
     gathered = s.G * (s.Dqk + (0 if s.aliased else s.Dv)) * s.itemsize
     flops = 2 * s.H * (s.Dqk + s.Dv)
-    fwd = picks * max(gathered / GATHER_BYTES_PER_MS, flops / SPARSE_FWD_FLOPS_PER_MS)
+    rate = SPARSE_FWD_FLOPS_PER_MS_LATENT if s.aliased else SPARSE_FWD_FLOPS_PER_MS
+    fwd = picks * max(gathered / GATHER_BYTES_PER_MS, flops / rate)
     if not s.training:
         return fwd
     if s.aliased:  # the latent op: one Dqk-wide contribution a pick and kv group, fitted with its kernels
