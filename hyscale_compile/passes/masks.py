@@ -25,7 +25,7 @@ from torch import fx
 
 from .attention_sites import CONSTANT_TENSORS, constant_fill, mask_op
 from .dim_labels import VALUE_VIEWS, operand_labels, view_input_labels
-from .graph_ops import Aliases, dtype, mutates, written_by, written_in_place
+from .graph_ops import Aliases, dtype, writes_after, written_in_place
 from .index_expr import Leaf, Reject, Score
 from .positions import Neg, Pred, additive_visible_where, neg_term, peel_not, visible_where
 
@@ -278,16 +278,11 @@ def _conjuncts(node, labels: tuple, out: list, seen: dict) -> bool:
 def _written_after(node: fx.Node) -> bool:
     """Whether a call after ``node`` may write its memory through any alias (``pad[:, 1:]`` is written by
     ``pad.fill_(...)``): the model read the term at its ``&``, the op would read it where the top-k stands."""
-    graph = node.graph
-    aliases, after = Aliases(graph), False
-    for n in graph.nodes:
-        if n is node:
-            after = True
-        elif after and mutates(n):
-            targets = written_by(n)
-            if targets is None or any(aliases.may_alias(t, node) for t in targets):
-                return True
-    return False
+    written = writes_after(node)
+    if written is None:
+        return True
+    aliases = Aliases(node.graph)
+    return any(aliases.may_alias(t, node) for t in written)
 
 
 def _view_input_labels(node: fx.Node, labels: tuple) -> tuple | None:
