@@ -324,6 +324,21 @@ def test_latent_16_bit_takes_128_picks_a_contribution_block():
            _run_latent("naive", q, kv, idx, picks, dout, case.Dv), 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("alias", [True, False])
+@pytest.mark.parametrize("heads, dqk, dv", [(128, 576, 512), (64, 576, 512), (16, 192, 128), (16, 128, 128),
+                                             (8, 512, 512), (32, 256, 256), (4, 1024, 1024)])
+def test_forward_blocks_fit_shared_memory(dtype, alias, heads, dqk, dv):
+    """Found on the device: with v a copy of the MLA latent rather than a view of it, the 16-bit forward took 64
+    picks a block and its stages asked for 344 KB of shared memory (sm_90 gives 227): the launch failed. Every
+    layout's block now fits, the aliased MLA layer keeps 64 picks and the copy takes 32."""
+    _, BDA, BDB, BDV = common.split(dqk, dv, alias)
+    BH, BK, _, stages = forward.config(heads, BDA, BDB, BDV, dtype, 2048, alias)
+    assert forward.shared_bytes(BH, BK, BDA + BDB, 0 if alias else BDV, dtype, stages) <= forward.SHARED_BYTES
+    if (heads, dqk, dv) == (128, 576, 512) and dtype != torch.float32:
+        assert BK == (64 if alias else 32)
+
+
 def test_latent_head_major_q_and_dout_keep_the_bits(monkeypatch):
     """q and dout laid out head-major ([B, H, T, D] in memory, as autograd gives the absorbed projection's
     gradient) are copied a chunk of rows at a time for the contribution kernel: the bits of row-major inputs,

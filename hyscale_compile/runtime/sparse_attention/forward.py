@@ -27,23 +27,43 @@ from .naive import Picks, outputs, value_mean
 
 # Tuning knobs (None: the rule in ``config``): heads per program at most, picks per step, warps, stages.
 HEAD_BLOCK = 64
-PICKS: int | None = None
+PICKS: int | None = None  # set: used as it is, whatever shared memory it needs
 WARPS: int | None = None
 STAGES: int | None = None
+# sm_90's shared memory a block can opt into (227 KB)
+SHARED_BYTES = 232448
 
 
-def config(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int) -> tuple[int, int, int, int]:
-    """(BH, BK, warps, stages) for HG heads per group and the padded feature widths.
+def config(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
+           alias: bool = True) -> tuple[int, int, int, int]:
+    """(BH, BK, warps, stages) for HG heads per group, the padded feature widths and whether v is k's A block.
 
     ptxas for sm_90a, bf16: MLA (64 heads, 512 + 64, v = the A block) at BK = 64, 8 warps, 2 stages: 255
     registers and 104 bytes spilled, 222 KB shared (BK = 32: no spill, 148 KB, but a third slower on the
     device: its gathers wait; 32 heads at BK = 64 slower still); GQA / MHA (16 heads, 128 or 128 + 64) at BK = 64,
     4 warps, 2 stages: 122 / 168 registers. fp32 (tf32x3) tiles are twice as wide: 16 heads a program, BK = 16
-    (wide) or 32. Timings: benchmarks/NOTES-sparse-attention.md."""
+    (wide) or 32. Where v is not the A block, each stage also holds BK value rows: BK halves until the stages fit
+    in SHARED_BYTES (the MLA widths with v a copy: 344 KB at BK = 64, 208 at 32), then the stages fall to 1. Timings:
+    benchmarks/NOTES-sparse-attention.md."""
     BH, wide = common.head_block(HG, BDA + BDB + BDV, dtype, HEAD_BLOCK)
+    stages = STAGES or 2
     BK = min(PICKS or (16 if wide and dtype == torch.float32 else 32 if dtype == torch.float32 else 64),
              common.pow2(K))
-    return BH, BK, WARPS or (8 if wide else 4), STAGES or 2
+    while shared_bytes(BH, BK, BDA + BDB, 0 if alias else BDV, dtype, stages) > SHARED_BYTES:
+        if BK > 16 and PICKS is None:
+            BK //= 2
+        elif stages > 1 and STAGES is None:
+            stages -= 1
+        else:
+            break
+    return BH, BK, WARPS or (8 if wide else 4), stages
+
+
+def shared_bytes(BH: int, BK: int, width_k: int, width_v: int, dtype: torch.dtype, stages: int) -> int:
+    """The forward program's shared memory as Triton lays it out on sm_90 (checked against its report): q's
+    [BH, width_k] tile, and per pipeline stage BK gathered key rows and, unless v is k's A block, BK value rows."""
+    elem = 4 if dtype == torch.float32 else 2
+    return (BH * width_k + stages * BK * (width_k + width_v)) * elem
 
 
 @triton.jit
@@ -125,7 +145,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float, pick
     q, k, v = (common.last_dim_unit(t) for t in (q, k, v))
     alias = common.aliases(k, v)
     DA, BDA, BDB, BDV = common.split(Dqk, Dv, alias)
-    BH, BK, warps, stages = config(HG, BDA, BDB, BDV, q.dtype, K)
+    BH, BK, warps, stages = config(HG, BDA, BDB, BDV, q.dtype, K, alias)
     NHB = triton.cdiv(HG, BH)
     idx = indices.contiguous()
     offs = picks.offsets.to(torch.int64).contiguous() if picks.offsets is not None else idx
