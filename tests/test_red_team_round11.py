@@ -122,7 +122,7 @@ SELECTION_REWRITTEN = {
     "weights_sigmoid_scaled": lambda q, k, w: torch.einsum(
         "bths,bth->bts", _qk(q, k).relu(), torch.sigmoid(w) * HI ** -0.5 * DI ** -0.5).topk(K),
     "negative_scale_on_the_sum": lambda q, k, w: ((_qk(q, k).relu() * w[..., None]).sum(2) * -0.5).topk(K),
-    # folded into q / k: equal for finite inputs (see test_found_in_review_tensor_factor_before_the_relu)
+    # folded into q / k: equal for finite inputs (see test_finite_factor_before_the_relu_is_exact)
     "weights_before_the_relu": lambda q, k, w: (w[..., None] * _qk(q, k)).relu().sum(2).topk(K),
     "key_scale_before_the_relu": lambda q, k, w: (w[..., None] * (_qk(q, k) * k.abs().amax(-1)[:, None, None])
                                                   .relu()).sum(2).topk(K),
@@ -206,52 +206,79 @@ def test_fills_other_than_minus_inf(name):
     assert "fill value" in site.reason and words in site.reason, site.reason
 
 
-# Found in review, NOT fixed (xfail, strict; indices and NaN / inf differ from eager): a tensor factor multiplying the
-# score before the relu (head weights written inside it, ``relu(w * q.k)``, or a dequant scale per key,
-# ``relu(q.k * k_scale)``) is folded into q (or k): the op computes relu((w q).k) where the model computes
-# relu(w * (q.k)) (rewrite._emit, ``sc.pre`` / ``sc.key_pre`` from expr_terms._multiply). Beyond rounding they
-# differ in which scores are inf or NaN: with an inf weight eager's inf * (q.k) is +inf, 0 after relu of -inf, or NaN
-# at q.k = 0, while the terms of (inf q).k carry mixed infinite signs and sum to NaN (same with an inf key through
-# k_scale); and q.k overflowing float32 is inf in eager, finite once scaled down by a small w first. NaN and inf rank
-# first, so the picks change: the property tests/test_ieee_masks.py pins for the other spellings, which the README
-# does not list among the by-design differences (it names only a constant scale above 1). Not fixed here: leaving
-# such sites alone would also drop spellings the project rewrites on purpose (tests/models/spellings.py NoRelu, the
-# Megatron use_relu=False form, and ScaleOnQueryPerPosition, DeepSeek-V3.2's fp8 q dequant before the relu). A fix
-# likely wants per-(query, head) factors without a relu passed as the op's weights (exact order), and a fold before
-# a relu only where the factor is provably finite, or a documented by-design difference.
+# Found in review: a tensor factor multiplying the score before the relu (head weights written inside it,
+# ``relu(w * q.k)``, a dequant scale per (query, head), ``relu(q.k * q_scale)``) was folded into q: the op computed
+# relu((w q).k) where the model computes relu(w * (q.k)), which differ in which scores are inf or NaN (q.k
+# overflowing float32 is inf in eager, finite once scaled down by a small w first; an inf weight makes every term of
+# (inf q).k infinite). Fixed in rewrite._split_factor: relu(f * s) == |f| * relu(sign(f) * s) bit for bit for every
+# finite nonzero f, so the sign goes into q and the magnitude into the head weights; without a relu the factor is a
+# head weight. Still apart, and listed in README: an infinite factor (eager's relu(inf * negative) is 0, the op's
+# inf * relu(.) NaN), and a factor that varies with the key, which can only fold into the keys.
 def _overflowing(kind):
-    if kind != "overflow":
+    if kind not in ("overflow", "signs"):
         from test_ieee_masks import _inputs as ieee_inputs
 
-        return ieee_inputs(kind)
-    g = torch.Generator().manual_seed(0)  # q.k of query 0, head 0 overflows at keys 0..2; its weight is 1e-30
+        return ieee_inputs(kind.removeprefix("ieee_"))
+    g = torch.Generator().manual_seed(0)
     q, k = torch.rand(1, 2, 2, 4, generator=g) + 0.5, torch.rand(1, 6, 4, generator=g) + 0.5
     w = torch.rand(1, 2, 2, generator=g)
-    q[0, 0, 0] *= 1e20
-    k[0, :3] *= 1e20
-    w[0, 0, 0] = 1e-30
+    if kind == "overflow":  # q.k of query 0, head 0 overflows at keys 0..2; its weight is 1e-30
+        q[0, 0, 0] *= 1e20
+        k[0, :3] *= 1e20
+        w[0, 0, 0] = 1e-30
+    else:  # negative, zero, huge and tiny factors; mixed-sign dot products
+        q, k = q - 0.75, k - 0.75
+        w[0, 0] = torch.tensor([-2.0, 0.0])
+        w[0, 1] = torch.tensor([3e38, -1e-40])
     return q, k, w
 
 
-@pytest.mark.xfail(strict=True, reason="tensor factors before the relu are folded into q / k (see the comment)")
-@pytest.mark.parametrize("spelling, kind", [("weights", "inf_weight"), ("weights", "overflow"),
-                                            ("key_scale", "inf_key")])
-def test_found_in_review_tensor_factor_before_the_relu(spelling, kind):
+def _factor_model(spelling):
     def model(q, k, w):
         s = torch.einsum("bthd,bsd->bths", q, k)
         if spelling == "weights":
             return torch.relu(w[..., None] * s).sum(2).topk(3)
+        if spelling == "weights_and_head_weights":
+            return (torch.relu(s * w[..., None]) * w.flip(-1)[..., None]).sum(2).topk(3)
+        if spelling == "no_relu":
+            return (w[..., None] * s).sum(2).topk(3)
         return (torch.relu(s * k.abs().amax(-1)[:, None, None, :]) * w[..., None]).sum(2).topk(3)
 
+    return model
+
+
+def _same_as_eager(model, args):
     torch._dynamo.reset()
     with report.collect() as reports:
-        got = torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*_overflowing(kind))
+        got = torch.compile(model, backend="hyscale", options={"compiler": "eager"})(*args())
     with ties_by_position() if reports[0].rewritten else contextlib.nullcontext():  # the op's tie rule, or topk's
-        want = model(*_overflowing(kind))
+        want = model(*args())
     assert torch.equal(got.indices, want.indices)
     assert torch.equal(torch.isnan(got.values), torch.isnan(want.values))
     torch.testing.assert_close(got.values, want.values, equal_nan=True)
-    assert len(reports) == 1  # rewritten exactly, or left alone: either keeps eager's picks
+    assert len(reports) == 1
+    return reports[0]
+
+
+@pytest.mark.parametrize("spelling", ["weights", "weights_and_head_weights", "no_relu"])
+@pytest.mark.parametrize("kind", ["overflow", "signs", "nan_query", "inf_key", "ieee_overflow"])
+def test_finite_factor_before_the_relu_is_exact(spelling, kind):
+    """Rewritten, and eager's picks, values and NaN / inf positions, for finite factors of any sign and size."""
+    assert _same_as_eager(_factor_model(spelling), lambda: _overflowing(kind)).rewritten
+
+
+def test_factor_before_the_relu_keeps_its_gradients():
+    """relu(f * s) as |f| * relu(sign(f) * s): q, k and f get eager's gradients, negative and zero f included."""
+    q, k, w = _overflowing("signs")
+    w[0, 1] = torch.tensor([3.0, -0.5])  # the forward test's 3e38 would overflow the gradients' products
+    _check_sites(lambda q, k, w: _factor_model("weights_and_head_weights")(q, k, w).values, (q, k, w), ALL,
+                 [("selection", "rewritten", "")])
+
+
+@pytest.mark.xfail(strict=True, reason="README, by design: an infinite factor before the relu, a per-key one")
+@pytest.mark.parametrize("spelling, kind", [("weights", "inf_weight"), ("key_scale", "inf_key")])
+def test_infinite_factor_before_the_relu_differs_as_documented(spelling, kind):
+    _same_as_eager(_factor_model(spelling), lambda: _overflowing(kind))
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])

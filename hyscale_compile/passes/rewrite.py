@@ -144,28 +144,29 @@ def _emit(graph: fx.Graph, site: Site, sc: Score, plan: masks.MaskPlan, scale: f
         q = ops.place(sc.q, (T, H, D), full=True)
         k = ops.place(sc.k, (S, D), full=True)
         pre, pre_numbers = ops.factors(sc.pre, (T, H))
-        if sc.pre:  # fold into q in fp32: a product of bf16 q and a factor is not bf16-exact
+        if pre_numbers:  # symbolic numbers (a sign unknown at compile time): fold into q in fp32
             q = graph.call_method("float", (q,))
-        if pre is not None:
-            q = graph.call_function(torch.mul, (q, graph.call_method("unsqueeze", (pre, -1))))
         for c in pre_numbers:
             q = graph.call_function(operator.mul, (q, c))
+        q, pre_weight = _split_factor(graph, q, pre, sc.relu, torch.float32 if pre_numbers else q_dtype)
         kpre, _ = ops.factors(sc.key_pre, (S,))
         if kpre is not None:
             k = graph.call_function(torch.mul, (graph.call_method("float", (k,)),
                                                 graph.call_method("unsqueeze", (kpre, -1))))
-        q_dtype = torch.float32 if sc.pre else q_dtype
+        q_dtype = torch.float32 if pre_numbers else q_dtype
         k_dtype = torch.float32 if sc.key_pre else k_dtype
         if q_dtype != k_dtype:  # one side is genuinely fp32 (or mixed 16-bit types): score both in fp32
             q = graph.call_method("float", (q,)) if q_dtype != torch.float32 else q
             k = graph.call_method("float", (k,)) if k_dtype != torch.float32 else k
         w, w_numbers = ops.factors(sc.weights, (T, H))
+        if w is not None and any(dtype(f.node) != torch.float32 for f in sc.weights):
+            w = graph.call_method("float", (w,))
+        if pre_weight is not None:
+            w = pre_weight if w is None else graph.call_function(torch.mul, (pre_weight, w))
         for c in w_numbers:
             w = graph.call_function(operator.mul, (w, c))
         if sc.post_scale < 0:
             w = graph.call_function(torch.neg, (w,))
-        if w is not None and any(dtype(f.node) != torch.float32 for f in sc.weights):
-            w = graph.call_method("float", (w,))
         bool_mask, bias = plan.emit(graph, ops.place, T, S)
         k_sel = site.k
         if site.k_at_most_keys:  # sort(...)[..., :k] of S keys holds min(k, S) of them
@@ -183,6 +184,27 @@ def _emit(graph: fx.Graph, site: Site, sc: Score, plan: masks.MaskPlan, scale: f
         if dtype(site.score_node) != torch.float32:
             values = graph.call_method("to", (values, dtype(site.score_node)))
     return values, indices
+
+
+def _split_factor(graph: fx.Graph, q: fx.Node, factor: fx.Node | None, relu: bool, q_dtype: torch.dtype):
+    """A [B, T, H] tensor factor of the score before the activation, as (q, a head weight) the op takes.
+
+    Without an activation it is a head weight: f * (q.k) * w and (q.k) * (f * w) differ by one rounding, and
+    by nothing in which products are inf or NaN. Through a ReLU, relu(f * s) == |f| * relu(sign(f) * s) bit
+    for bit for every finite nonzero f (one product, |f * s| == |f| * |s|, and the same overflow): the sign
+    goes into q (negating q negates its dot products exactly), the magnitude into the weights. Folding f into
+    q instead, (f q).k, would round differently and overflow (or not) where f * (q.k) does not, and an
+    infinite f would turn every dot product into NaN; README lists the cases still apart (f infinite, or zero
+    against an infinite q.k)."""
+    if factor is None:
+        return q, None
+    factor = graph.call_method("float", (factor,))
+    if not relu:
+        return q, factor
+    sign = graph.call_function(torch.copysign, (graph.call_function(torch.ones_like, (factor,)), factor))
+    sign = graph.call_method("to", (sign, q_dtype))  # +-1: exact in every dtype
+    q = graph.call_function(torch.mul, (q, graph.call_method("unsqueeze", (sign, -1))))
+    return q, graph.call_function(torch.abs, (factor,))
 
 
 def _to_layout(graph: fx.Graph, node: fx.Node, sc: Score, batching: Batching, T, S) -> fx.Node:
