@@ -113,6 +113,27 @@ def test_several_head_blocks(monkeypatch):
                2e-5)
 
 
+def test_segment_sums_keep_their_bits_whatever_the_segment_launch(monkeypatch):
+    """Each key's run of contributions is added in sorted order whatever the keys a program, the rows it loads
+    before adding them, and its columns: the same bits for every setting. Few keys (runs of 8 to 20 picks,
+    longer than a load group, of unequal lengths) and two head blocks (two contribution rows a pick)."""
+    monkeypatch.setattr(forward, "HEAD_BLOCK", 16)
+    monkeypatch.setattr(backward, "HEAD_BLOCK", 16)
+    case = Case(B=2, T=14, H=32, G=1, Dqk=16, Dv=16, S=6, K=4)
+    q, k, v, idx, picks, dout = _problem(case, seed=6)
+    want = _run("naive", q, k, v, idx, picks, dout)
+    first = None
+    for keys, rows, cols in ((2, 8, 256), (1, 1, 16), (4, 3, 32), (8, 16, 64)):
+        monkeypatch.setattr(backward, "SEGMENT_KEYS", keys)
+        monkeypatch.setattr(backward, "SEGMENT_ROWS", rows)
+        monkeypatch.setattr(backward, "SEGMENT_COLS", cols)
+        got = _run("triton", q, k, v, idx, picks, dout)
+        if first is None:
+            first = got
+            _close(got, want, 2e-5)
+        _same(got[3:], first[3:])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_inputs(dtype):
     """16-bit q, k, v: fp32 accumulation and softmax, p and ds rounded to the input dtype for their MMAs."""

@@ -81,8 +81,9 @@ CONTRIB_PICKS: int | None = None  # picks a block of the contribution kernel (No
 CONTRIB_STAGES = 4  # the contribution kernel's feature-chunk loops pipelined this deep (1: not pipelined)
 # Programs per SM to aim for by splitting each row's picks into slices (0: one slice per row).
 PROGRAMS_PER_SM = 4
-SEGMENT_KEYS = 2  # sorted picks per program of the segment kernel (few: a run's owner streams it alone)
+SEGMENT_KEYS = 2  # keys per program of the segment kernel (few: a key's run is streamed by its program alone)
 SEGMENT_COLS = 256  # contribution columns per program of the segment kernel
+SEGMENT_ROWS = 8  # contribution rows a program loads before it adds them (in order): loads in flight
 
 
 def passes(HG: int, BDA: int, BDB: int, BDV: int, dtype: torch.dtype, K: int,
@@ -378,32 +379,39 @@ def _dq_kernel(k_ptr, idx_ptr, offs_ptr, km_ptr, ds_ptr, dq_ptr, p_ptr, o_ptr, e
 
 
 @triton.jit
-def _segment_kernel(contrib_ptr, keys_ptr, ends_ptr, acc_ptr, n, n_keys, W, NHB,
-                    BKEY: tl.constexpr, BC: tl.constexpr):
-    # BKEY sorted positions per program; a position that starts its key's run owns the key and adds the
-    # run [i, ends[i]) of contributions in order (each head block in order), then stores the key's sum.
-    i = tl.program_id(0).to(tl.int64) * BKEY + tl.arange(0, BKEY)
+def _segment_kernel(contrib_ptr, bounds_ptr, acc_ptr, n_keys, W, NHB,
+                    BKEY: tl.constexpr, BC: tl.constexpr, ROWS: tl.constexpr):
+    # BKEY keys per program (not a program per sorted pick: a chunk's picks outnumber its keys, and each of
+    # those programs ran to find out it owned no run): key s adds its run of sorted picks [bounds[s],
+    # bounds[s + 1]) of contributions (NHB rows a pick, the run's rows contiguous) in order to its sum. ROWS
+    # rows are loaded before they are added, so ROWS loads are in flight rather than one; the adds keep their
+    # order, and the bits are those of one row at a time.
+    s = tl.program_id(0).to(tl.int64) * BKEY + tl.arange(0, BKEY)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    inside = i < n
-    key = tl.load(keys_ptr + i, mask=inside, other=n_keys).to(tl.int64)
-    prev = tl.load(keys_ptr + i - 1, mask=inside & (i > 0), other=-1).to(tl.int64)
-    own = inside & (key != prev) & (key < n_keys)
-    count = tl.where(own, tl.load(ends_ptr + i, mask=own, other=0).to(tl.int64) - i, 0)
-    tile = own[:, None] & (c < W)[None, :]
-    acc = tl.load(acc_ptr + key[:, None] * W + c[None, :], mask=tile, other=0.0)
-    n_max = tl.max(count, axis=0)
+    inside = s < n_keys
+    first = tl.load(bounds_ptr + s, mask=inside, other=0).to(tl.int64)
+    rows = (tl.load(bounds_ptr + s + 1, mask=inside, other=0).to(tl.int64) - first) * NHB
+    first = first * NHB
+    tile = (rows > 0)[:, None] & (c < W)[None, :]
+    acc = tl.load(acc_ptr + s[:, None] * W + c[None, :], mask=tile, other=0.0)
+    n_max = tl.max(rows, axis=0)
     j = 0
     while j < n_max:
-        more = tile & (j < count)[:, None]
-        for hb in range(0, NHB):
-            acc += tl.load(contrib_ptr + ((i + j) * NHB + hb)[:, None] * W + c[None, :], mask=more, other=0.0)
-        j += 1
-    tl.store(acc_ptr + key[:, None] * W + c[None, :], acc, mask=tile)
+        loaded = ()
+        for u in tl.static_range(ROWS):
+            more = tile & (j + u < rows)[:, None]
+            loaded = loaded + (tl.load(contrib_ptr + (first + j + u)[:, None] * W + c[None, :], mask=more,
+                                       other=0.0),)
+        for u in tl.static_range(ROWS):
+            acc += loaded[u]
+        j += ROWS
+    tl.store(acc_ptr + s[:, None] * W + c[None, :], acc, mask=tile)
 
 
-def pick_order(idx: Tensor, t0: int, S: int, picks: Picks) -> tuple[Tensor, Tensor, Tensor]:
+def pick_order(idx: Tensor, t0: int, S: int, picks: Picks) -> tuple[Tensor, Tensor]:
     """For the picks idx [B, R, K] of rows t0..: (each pick's place in the stable order by key b * S + s,
-    the sorted keys, the end of each sorted position's run); dropped picks get key B * S, after all."""
+    each key's run of sorted places, [bounds[key], bounds[key + 1]), as B * S + 1 bounds); dropped picks get
+    key B * S, after every run."""
     B, R, K = idx.shape
     n_keys = B * S
     kdt = torch.int32 if n_keys < 2**31 - 1 else torch.int64
@@ -413,8 +421,9 @@ def pick_order(idx: Tensor, t0: int, S: int, picks: Picks) -> tuple[Tensor, Tens
     small = keys.numel() < 2**31
     place = torch.empty_like(perm, dtype=torch.int32 if small else torch.int64)
     place.scatter_(0, perm, torch.arange(keys.numel(), device=idx.device, dtype=place.dtype))
-    ends = torch.searchsorted(sorted_keys, sorted_keys, right=True, out_int32=small)
-    return place, sorted_keys, ends
+    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=idx.device, dtype=kdt),
+                                out_int32=small)
+    return place, bounds
 
 
 def _row_major_rows(x: Tensor, t0: int, R: int) -> tuple[Tensor, int]:
@@ -559,7 +568,7 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
     strides = strides_of(q, dout)
     for t0 in range(0, T, rows):
         R = min(rows, T - t0)
-        place, keys, ends = pick_order(idx[:, t0:t0 + R], t0, S, picks)
+        place, bounds = pick_order(idx[:, t0:t0 + R], t0, S, picks)
         P = _slices(B * R * G * (NHBQ * NCOL if split else NHB), K, step, q.device)
         slice_picks = triton.cdiv(triton.cdiv(K, P), step) * step
         P = triton.cdiv(K, slice_picks)
@@ -597,6 +606,6 @@ def _run(dout, delta, q, k, v, lse, indices, scale, picks: Picks, dq: Tensor, ac
             dq[:, t0:t0 + R] = dq_out.sum(0)
             if out is not None:
                 out[:, t0:t0 + R] = o_out.sum(0)
-        n = keys.numel()
-        _segment_kernel[(triton.cdiv(n, SEGMENT_KEYS), triton.cdiv(G * W, SEGMENT_COLS))](
-            contrib, keys, ends, acc, n, B * S, G * W, contrib_blocks, BKEY=SEGMENT_KEYS, BC=SEGMENT_COLS)
+        _segment_kernel[(triton.cdiv(B * S, SEGMENT_KEYS), triton.cdiv(G * W, SEGMENT_COLS))](
+            contrib, bounds, acc, B * S, G * W, contrib_blocks, BKEY=SEGMENT_KEYS, BC=SEGMENT_COLS,
+            ROWS=SEGMENT_ROWS)
