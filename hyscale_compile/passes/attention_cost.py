@@ -14,9 +14,9 @@ on the layout:
 
 The rates are fitted to ``benchmarks/sparse_attention.py`` on the H200 (the GQA and per-head layouts and the
 dense baselines: results/sparse_attention.json, T = S = 8192, k = 2048, bf16) and, for the latent op, to the
-sparse kernels of the DeepSeek-V3.2 layer step (results/model.json's profiled kernels at T = 65536 with the
-kernels of fa7ec5a: forward, contribution, segment and dq; the 8K latent row and the 32K step predate them); the
-decisions they give are
+sparse kernels of the DeepSeek-V3.2 layer step (results/model.json's profiled kernels at T = 65536: forward,
+contribution and dq of fa7ec5a, the segment kernel of a8150ef; the 8K latent row and the 32K step predate them);
+the decisions they give are
 checked against the layer's measured steps (tests/test_attention_cost.py). They are first-order and will move
 with the kernels, which is why the decision is an estimate with a margin and ``options["attention"] = "always"``
 overrides it. A training graph (any of q, k, v needs a gradient) counts forward and backward; an inference graph
@@ -41,7 +41,7 @@ BWD_MS_PER_FLOP = 3.8e-11  # backward: the recomputed products
 # The latent op's backward: the contribution and dq kernels (stored ds, one contribution for all heads) per flop,
 # and per value of a pick's contribution the segment pass that reads it back, with the sort, delta and copies.
 BWD_MS_PER_FLOP_LATENT = 1.32e-11
-BWD_LATENT_MS_PER_CONTRIB = 2.53e-9
+BWD_LATENT_MS_PER_CONTRIB = 1.62e-9
 HEAD_BLOCK = 64  # query heads of one kv group a backward program handles (contribution rows per pick)
 # Dense attention as the model runs it (SDPA's kernels over all S keys: a boolean or additive mask skips none).
 DENSE_FWD_FLOPS_PER_MS = 3.3e11
