@@ -397,7 +397,6 @@ def test_found_in_review_factors_combined_before_the_score(name):
 
 # Found in review, fixed in rewrite._Operands.factors: two 16-bit factors were multiplied in 16 bits before the upcast,
 # where eager multiplies each into the fp32 score (fp16: 300 * 300 overflowed to an inf weight).
-@pytest.mark.xfail(strict=True, reason="16-bit factors multiplied in 16 bits (see the comment)")
 @pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("where", ["after_the_relu", "before_the_relu"])
 def test_found_in_review_16_bit_factors_multiplied_in_16_bits(dt, where):
