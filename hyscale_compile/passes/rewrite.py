@@ -98,8 +98,13 @@ class _Operands:
 
     def factors(self, leaves: tuple[Leaf, ...], rest: tuple) -> tuple[fx.Node | None, list]:
         """The product of tensor factors laid out [batch, *rest], and the symbolic numbers, kept apart."""
-        tensors = [self.place(f, rest) for f in leaves if f.labels or is_tensor(f.node)]
+        tensor_leaves = [f for f in leaves if f.labels or is_tensor(f.node)]
+        tensors = [self.place(f, rest) for f in tensor_leaves]
         numbers = [f.node for f in leaves if not (f.labels or is_tensor(f.node))]
+        if len(tensors) > 1:  # eager multiplies each into the score on its own: never round their product to 16 bits
+            half = (torch.bfloat16, torch.float16)
+            tensors = [self.graph.call_method("float", (t,)) if dtype(peel(f)[0]) in half else t
+                       for f, t in zip(tensor_leaves, tensors, strict=True)]
         product = None
         for t in tensors:
             product = t if product is None else self.graph.call_function(torch.mul, (product, t))
