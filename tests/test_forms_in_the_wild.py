@@ -118,8 +118,10 @@ def triangle_inplace_on_ones_like(q, k, w):
 
 
 FORMS = [decode_query_squeezed, one_head_hf_matmul, bias_as_subtraction, flattened_heads_bmm, mask_from_full_like,
-         head_mean, take_along_dim_values, argsort_slice, clamp_min_function, clip_function, int_padding_logical_not,
-         int_additive_penalty, bool_additive_penalty, triangle_inplace_on_ones_like]
+         head_mean, take_along_dim_values, argsort_slice, int_padding_logical_not, int_additive_penalty,
+         bool_additive_penalty, triangle_inplace_on_ones_like]
+# the ReLU spelled as a clamp: rewritten where no gradient reaches it (its gradient at 0 is not relu's)
+CLAMP_FORMS = [clamp_min_function, clip_function]
 
 
 def _grads(fn, inputs):
@@ -150,6 +152,22 @@ def test_form_is_rewritten_and_equal_to_eager(model):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", CLAMP_FORMS, ids=lambda f: f.__name__)
+def test_clamp_form_is_rewritten_without_gradients_and_left_alone_with_them(model):
+    report = hyscale_compile.explain(model, *_qkw())
+    assert [s.decision for s in report.sites] == ["rewritten"], str(report)
+    with ties_by_position():
+        want, want_g = _grads(model, [x.requires_grad_() for x in _qkw()])
+    counters.clear()
+    got, got_g = _grads(torch.compile(model, backend="hyscale", options={"compiler": "aot_eager"}),
+                        [x.requires_grad_() for x in _qkw()])
+    assert counters["hyscale"]["selection_rejected"] == 1 and not counters["hyscale"]["selection_rewritten"]
+    for a, b in zip([*got, *got_g], [*want, *want_g], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 class IndexerWithTensorK(torch.nn.Module):

@@ -14,7 +14,7 @@ dim squeezed away); dynamic=True; compiler "eager" and "aot_eager"; factors nega
 three-operand einsum (left alone with a reason); the README's documented differences (an infinite f, a per-key
 factor folded into the keys), asserted to be exactly what README says.
 
-Found (strict xfails below, left open): wherever a second factor meets the score, the site is rewritten but not
+Found (strict xfails below, documented in README as "Several factors"): wherever a second factor meets the score, the site is rewritten but not
 eager's. The op takes one weight per (query, head) and computes ``relu(+-q.k) * weight`` with one product, so
 ``_split_factor``'s ``|f|`` is multiplied into the head weights, the other factors before the relu and the constant
 scale *before* it meets q.k, where eager applies them to the score one at a time. For finite factors this
@@ -26,10 +26,10 @@ below 1, which README does not cover); ``f * s * w`` without a relu (contrary to
 before the relu), still folded into q as ``(c q).k``, overflowing where ``c * (q.k)`` does. A fix needs the op to
 take the pre-activation factor apart from the weights, or these sites left alone or documented: not small.
 
-Found (strict xfail, left open, older than the factor split): ``clamp(min=0)``, ``clamp_min(x, 0)`` and
+Found and fixed (expr_terms._relu; older than the factor split): ``clamp(min=0)``, ``clamp_min(x, 0)`` and
 ``maximum(x, 0)``, taken as relu, have other gradients at exactly 0 (clamp passes it, maximum halves it); the op's
-backward is relu's. A factor of 0 (or -0.0) then gets no gradient where eager's is q.k * w, an all-zero q row none
-where eager's is w * k.
+backward is relu's. A factor of 0 (or -0.0) then got no gradient where eager's is q.k * w, an all-zero q row none
+where eager's is w * k. Such a spelling is now left alone where a gradient reaches it.
 
 Found and fixed (rewrite._Operands.factors): two or more 16-bit factors were multiplied together in 16 bits before
 the upcast, where eager multiplies each into an fp32 score: fp16 head weights of 300 and 300 gave an inf weight
@@ -207,24 +207,25 @@ def test_relu_spelled_as_a_clamp_forward(name):
     _check_rewritten(model, _inputs(), grad=())
 
 
-# Found in review, left open (xfail, strict; older than the factor split): clamp(min=0), clamp_min(x, 0) and
-# maximum(x, 0) are taken as relu (expr_terms._relu / _is_relu_clamp), equal in the forward, NaN included, but not in
-# the backward at exactly 0: relu's gradient there is 0, clamp's passes it (x >= min), maximum's halves it (a tie).
-# The op's backward is relu's (runtime/reference.sparse_backward ``pre > 0``). A pre-activation of exactly 0 at a
-# selected key is common: a factor of 0 (a zeroed head weight, f = 0 or -0.0 here) makes every key of that head 0 and
-# eager sends q.k * w to the factor, the op nothing; an all-zero q row (a zeroed padding query) gives q a gradient
-# in eager (w * k per picked key), none in the op. A fix: leave these spellings alone where a gradient flows, or give
-# the op the activation's gradient at 0.
-@pytest.mark.xfail(strict=True, reason="clamp / maximum as relu: the gradient at exactly 0 differs (see the comment)")
+# Found in review (older than the factor split), fixed: clamp(min=0), clamp_min(x, 0) and maximum(x, 0) were taken
+# as relu (expr_terms._relu / _is_relu_clamp), equal in the forward, NaN included, but not in the backward at exactly
+# 0: relu's gradient there is 0, clamp's passes it (x >= min), maximum's halves it (a tie). The op's backward is
+# relu's. A pre-activation of exactly 0 at a selected key is common: a factor of 0 (a zeroed head weight, f = 0 or
+# -0.0 here) makes every key of that head 0 and eager sends q.k * w to the factor, the op sent nothing; an all-zero
+# q row (a zeroed padding query) gives q a gradient in eager (w * k per picked key), none in the op. Now such a
+# spelling is left alone where a gradient reaches it (with a reason naming torch.relu), rewritten where none does.
 @pytest.mark.parametrize("name", sorted(CLAMPS))
 @pytest.mark.parametrize("zero", ["factor", "q_row"])
-def test_found_in_review_clamp_relu_gradient_at_zero(name, zero):
+def test_clamp_relu_with_a_gradient_is_left_alone(name, zero):
     q, k, f, w = _inputs()
     if zero == "q_row":
         f = f.abs() + 0.5
         q[1, 2, 0] = 0.0
     model = lambda q, k, f, w: (CLAMPS[name](_qk(q, k) * f[..., None]) * w[..., None]).sum(2).topk(K)  # noqa: E731
-    _check_rewritten(model, (q, k, f, w), grad=(0, 2) if zero == "q_row" else (2,))
+    reports = check_compiled(model, (q, k, f, w), grad=(0, 2) if zero == "q_row" else (2,))
+    assert [(r.kind, r.decision) for r in reports] == [("selection", "rejected")], reports
+    assert "gradient at exactly 0" in reports[0].reason and "torch.relu" in reports[0].reason
+    _check_rewritten(model, (q, k, f, w), grad=())  # no gradient: the same values, rewritten
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,10 +334,10 @@ def test_per_key_factor_folds_into_the_keys_as_readme_says():
 
 
 # ---------------------------------------------------------------------------------------------
-# Found in review, left open (xfail, strict): the op takes one weight per (query, head), so every factor but one is
-# multiplied into it (rewrite._emit: _split_factor's |f| times the head weights; _Operands.factors' product of the
-# factors before the relu; the constant scale, reference.score_rows ``weights * scale``) before it meets q.k, where
-# eager multiplies the score by each in turn. Finite factors then overflow or underflow where eager's do not (or the
+# Found in review, documented (README, "Several factors"; strict xfail): the op takes one weight per (query, head),
+# so every factor but one is multiplied into it (rewrite._emit: _split_factor's |f| times the head weights;
+# _Operands.factors' product of the factors before the relu; the constant scale, reference.score_rows ``weights *
+# scale``) before it meets q.k, where eager multiplies the score by each in turn. Finite factors then overflow or underflow where eager's do not (or the
 # other way round); see the module docstring. Exact would need the op to take the pre-activation factor apart.
 def _one_query(f, w, qk_size):
     """f and w at query 0, head 0 (1 elsewhere); q.k of that head ~ qk_size at keys 0..3; head 1 of query 0 scores 0."""
@@ -384,7 +385,7 @@ OPEN = {  # model, inputs, dynamic
 }
 
 
-@pytest.mark.xfail(strict=True, reason="factors multiplied together before they meet q.k (see the comment)")
+@pytest.mark.xfail(strict=True, reason="README, by design: factors multiplied together before they meet q.k")
 @pytest.mark.parametrize("name", sorted(OPEN))
 def test_found_in_review_factors_combined_before_the_score(name):
     fn, args, dynamic = OPEN[name]

@@ -26,6 +26,7 @@ from .graph_ops import (
     is_tensor,
     named_arg,
     op_name,
+    requires_grad,
     shape,
     value,
 )
@@ -154,13 +155,20 @@ def _where(node: fx.Node, s_dim: int) -> Score:
 # ---------------------------------------------------------------------------------------------
 # views, casts, activation, head sum
 def _relu(node: fx.Node, s_dim: int) -> Score:
-    if op_name(node) in ("clamp", "maximum") and not _is_relu_clamp(node):
+    spelled_otherwise = op_name(node) in ("clamp", "maximum")  # clamp_min is "clamp"
+    if spelled_otherwise and not _is_relu_clamp(node):
         raise Reject("the score is clamped to a range other than [0, inf)", node)
-    sc = narrow(interpret(node.args[0] if node.args else node.kwargs["input"], s_dim), node)
+    src = node.args[0] if node.args else node.kwargs["input"]
+    sc = narrow(interpret(src, s_dim), node)
     if sc.relu and not (sc.weights or sc.head is not None or sc.bias or sc.keep) and sc.post_scale > 0:
         return sc.with_node(node)  # relu(c * relu(x)) == c * relu(x) for c > 0
     if sc.relu or sc.head is not None or sc.bias or sc.keep:
         raise Reject("relu is applied after the head sum or a mask, which is not the indexer form", node)
+    if spelled_otherwise and requires_grad(src):
+        # the same values as relu, NaN included, but another gradient at exactly 0 (clamp passes it, maximum
+        # halves it; relu and the op's backward pass none), and exact zeros are common: a zeroed weight or q row
+        raise Reject(f"the ReLU is spelled {op_name(node)}, whose gradient at exactly 0 is not relu's (the op's): "
+                     "write torch.relu to have the site rewritten in training", node)
     return sc.with_node(node, relu=True)
 
 

@@ -202,6 +202,15 @@ _GRAD_MODE = "hyscale_grad_mode"
 _GRAD_MODE_SETTERS = ("_set_grad_enabled", "set_grad_enabled")  # torch._C's, as Dynamo records it; torch's
 
 
+def requires_grad(node) -> bool:
+    """Whether eager's tensor at ``node`` requires grad: its example value says so and it is not made in a
+    no_grad region (graph inputs keep their flag whatever the mode)."""
+    v = value(node)
+    if not (isinstance(v, torch.Tensor) and v.requires_grad):
+        return False
+    return node.op != "call_function" and node.op != "call_method" or grad_enabled_at(node)
+
+
 def infer_value(node: Any, depth: int = 0) -> Any:
     """The example value of a node, also of one a pass inserted without recording it (the selection's outputs
     and the views that put them in the model's layout): computed from its inputs' values on the graph's fake

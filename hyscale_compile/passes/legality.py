@@ -22,14 +22,13 @@ from torch import fx
 from .graph_ops import (
     Aliases,
     dtype,
-    grad_enabled_at,
     is_one,
     is_tensor,
     mutates,
     op_name,
+    requires_grad,
     shape,
     source_line,
-    value,
     written_by,
 )
 from .index_expr import Leaf, Reject, Score
@@ -172,15 +171,6 @@ def check_additive_order(sc: Score, node: fx.Node, causal_terms: list[Leaf]) -> 
         raise Reject("a float tensor is added to the score after a masked fill; where it holds NaN or +inf, or "
                      "needs a gradient, the masked entries differ from the selection's (which applies masks "
                      "last): add it before the masked_fill, or fill after adding", node)
-
-
-def requires_grad(node) -> bool:
-    """Whether eager's tensor at ``node`` requires grad: its example value says so and it is not made in a
-    no_grad region (graph inputs keep their flag whatever the mode)."""
-    v = value(node)
-    if not (isinstance(v, torch.Tensor) and v.requires_grad):
-        return False
-    return node.op != "call_function" and node.op != "call_method" or grad_enabled_at(node)
 
 
 def eager_gradient_reaches(leaf: Leaf, sc: Score, score_node: fx.Node) -> bool:

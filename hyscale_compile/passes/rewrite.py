@@ -194,13 +194,13 @@ def _emit(graph: fx.Graph, site: Site, sc: Score, plan: masks.MaskPlan, scale: f
 def _split_factor(graph: fx.Graph, q: fx.Node, factor: fx.Node | None, relu: bool, q_dtype: torch.dtype):
     """A [B, T, H] tensor factor of the score before the activation, as (q, a head weight) the op takes.
 
-    Without an activation it is a head weight: f * (q.k) * w and (q.k) * (f * w) differ by one rounding, and
-    by nothing in which products are inf or NaN. Through a ReLU, relu(f * s) == |f| * relu(sign(f) * s) bit
-    for bit for every finite nonzero f (one product, |f * s| == |f| * |s|, and the same overflow): the sign
-    goes into q (negating q negates its dot products exactly), the magnitude into the weights. Folding f into
-    q instead, (f q).k, would round differently and overflow (or not) where f * (q.k) does not, and an
-    infinite f would turn every dot product into NaN; README lists the cases still apart (f infinite, or zero
-    against an infinite q.k)."""
+    Without an activation it is a head weight: f * (q.k) is exactly (q.k) * f. Through a ReLU, relu(f * s) ==
+    |f| * relu(sign(f) * s) bit for bit for every finite nonzero f (one product, |f * s| == |f| * |s|, and the
+    same overflow): the sign goes into q (negating q negates its dot products exactly), the magnitude into the
+    weights. Folding f into q instead, (f q).k, would round differently and overflow (or not) where f * (q.k)
+    does not, and an infinite f would turn every dot product into NaN. Where head weights or other factors
+    meet |f| in the op's one weight, their product rounds once and may overflow where eager's products in turn
+    do not; README lists that and the cases still apart (f infinite, or zero against an infinite q.k)."""
     if factor is None:
         return q, None
     factor = graph.call_method("float", (factor,))
