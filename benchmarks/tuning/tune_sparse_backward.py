@@ -1,14 +1,14 @@
 """The latent sparse attention backward by kernel: variants of ``sparse_attention.backward``'s knobs, in one run.
 
-Written when, at the 64K DeepSeek-V3.2 layer, the backward's contribution kernel (878 ms) and segment kernel
-(486 ms) were most of the step (NOTES-sparse-attention.md, third device run): the segment kernel read its
-contributions at ~0.64 TB/s (its programs then held SEGMENT_KEYS sorted picks; now SEGMENT_KEYS keys, with
-SEGMENT_ROWS rows in flight), the contribution kernel ran at ~85 TFLOP/s (PICKS, STAGES, WARPS, CHUNK never swept). For each variant
-(overrides of the module's knobs, the default first) and shape: each kernel's device time per backward
-(profiler device records: ``contrib_ms``, ``segment_ms``, ``dq_ms``, ``other_ms``, ``total_ms``), and whether
-dq and dkv have the default variant's bits (``same_bits``: the knobs change tiles and launches, not what is
-summed in which order, so a variant that changes the bits is not a candidate). A variant that fails to compile
-or launch (shared memory, registers) records its error. Rows are written after every variant.
+Written when, at the 64K DeepSeek-V3.2 layer, the backward's contribution kernel (878 ms) and segment kernel (486
+ms) were most of the step (NOTES-sparse-attention.md, third device run): the segment kernel read its contributions
+at ~0.64 TB/s (its programs then held SEGMENT_KEYS sorted picks; now SEGMENT_KEYS keys, with SEGMENT_ROWS rows in
+flight), the contribution kernel ran at ~85 TFLOP/s (PICKS, STAGES, WARPS, CHUNK never swept). For each variant
+(overrides of the module's knobs, the default first) and shape: each kernel's device time per backward (profiler
+device records: ``contrib_ms``, ``segment_ms``, ``dq_ms``, ``other_ms``, ``total_ms``), and whether dq and dkv have
+the default variant's bits (``same_bits``: the knobs change tiles and launches, not what is summed in which order,
+so a variant that changes the bits is not a candidate). A variant that fails to compile or launch (shared memory,
+registers) records its error. Rows are written after every variant.
 
     python benchmarks/tuning/tune_sparse_backward.py [--contexts 16384] [--variants 0,1,2] [--out ...]
     TRITON_INTERPRET=1 python benchmarks/tuning/tune_sparse_backward.py --smoke   # tiny shapes, 2 variants, CPU
