@@ -12,10 +12,15 @@ the previous (keys, ends) pair, the int64 key path read (not runnable: B * S >= 
 
 Found: the claim holds for every problem the backward builds (its accumulator starts at +0.0, so a padding
 add of +0.0 is exact). One deviation outside that: a caller's ``dkv_acc`` holding -0.0 at a key whose
-contributions are all -0.0 (p underflowed to 0) comes back +0.0 where the run's length is not a multiple of
-SEGMENT_ROWS (the masked loads' ``other=0.0`` padding: -0.0 + 0.0 = +0.0), so its bits depend on
+contributions are all -0.0 (p underflowed to 0) came back +0.0 where the run's length is not a multiple of
+SEGMENT_ROWS (the masked loads' ``other=0.0`` padding: -0.0 + 0.0 = +0.0), so its bits depended on
 SEGMENT_ROWS; the previous kernel did the same only for keys shorter than another key of their program.
-Padding with -0.0, the exact additive identity, makes every setting give the in-order sum's bits."""
+Fixed by padding with -0.0, the exact additive identity: every setting gives the in-order sum's bits. A
+trap on the way: ``other=-0.0`` does nothing, Triton turns a float -0.0 constant into +0.0 (interpreter and
+GPU compile alike); the kernel spells it as bits, and a test compiles it for sm_90 to see them in the PTX.
+Also read: the int64 key path (B * S >= 2**31 - 1: int64 keys, arange and bounds values up to the pick
+count, int32 bounds while picks < 2**31; the kernel widens bounds to int64 before any address), and
+``pick_order`` / ``_segment_kernel`` have no other callers (benchmarks and tests grep clean)."""
 
 from __future__ import annotations
 
@@ -299,12 +304,40 @@ def test_minus_zero_in_order():
     _same_bits([_new_sum(contrib, sorted_keys, acc0, n_keys, 1, 1, 1, 16)], [want])
 
 
-@pytest.mark.xfail(strict=True, reason="masked loads pad a run with +0.0: -0.0 + 0.0 = +0.0 (other=-0.0 is exact)")
 def test_minus_zero_whatever_the_rows_in_flight():
-    """A run of one row loaded 8 at a time adds 7 padding zeros: with other=0.0 a -0.0 sum becomes +0.0."""
+    """A run of one row loaded 8 at a time adds 7 padding rows: with other=0.0 a -0.0 sum became +0.0 (an
+    xfail until the padding was -0.0)."""
     contrib, sorted_keys, acc0, n_keys = _minus_zero_problem()
     want = _in_order(contrib, sorted_keys, acc0, n_keys, 1)
-    _same_bits([_new_sum(contrib, sorted_keys, acc0, n_keys, 1, 1, 8, 16)], [want])
+    for keys, rows in ((1, 8), (2, 3), (4, 16)):
+        _same_bits([_new_sum(contrib, sorted_keys, acc0, n_keys, 1, keys, rows, 16)], [want])
+
+
+_COMPILE = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from hyscale_compile.runtime.sparse_attention import backward
+sig = {"contrib_ptr": "*fp32", "bounds_ptr": "*i32", "acc_ptr": "*fp32", "n_keys": "i32", "W": "i32", "NHB": "i32",
+       "BKEY": "constexpr", "BC": "constexpr", "ROWS": "constexpr"}
+src = ASTSource(backward._segment_kernel, signature=sig, constexprs={"BKEY": 2, "BC": 256, "ROWS": 8})
+print(compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+"""
+
+
+def test_minus_zero_padding_survives_the_gpu_compile():
+    """Triton drops a float -0.0's sign (other=-0.0 and tl.full(..., -0.0) both became +0.0 in the TTIR), so
+    the kernel spells it as the bits 0x80000000: they reach the sm_90 PTX, not only the interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(backward.__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "-2147483648" in done.stdout  # mov.b32 of -0.0's bits, the masked loads' other
 
 
 def test_public_accumulator_is_added_into():
