@@ -385,7 +385,9 @@ def _segment_kernel(contrib_ptr, bounds_ptr, acc_ptr, n_keys, W, NHB,
     # those programs ran to find out it owned no run): key s adds its run of sorted picks [bounds[s],
     # bounds[s + 1]) of contributions (NHB rows a pick, the run's rows contiguous) in order to its sum. ROWS
     # rows are loaded before they are added, so ROWS loads are in flight rather than one; the adds keep their
-    # order, and the bits are those of one row at a time.
+    # order, and the bits are those of one row at a time: a row past the run loads -0.0, the exact identity of
+    # an add (0.0 would turn a -0.0 sum, e.g. of a caller's dkv_acc, into +0.0). Spelled as bits: Triton
+    # takes a float -0.0 (other=-0.0, tl.full) as +0.0, in the interpreter as in the compile for the GPU.
     s = tl.program_id(0).to(tl.int64) * BKEY + tl.arange(0, BKEY)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     inside = s < n_keys
@@ -395,13 +397,14 @@ def _segment_kernel(contrib_ptr, bounds_ptr, acc_ptr, n_keys, W, NHB,
     tile = (rows > 0)[:, None] & (c < W)[None, :]
     acc = tl.load(acc_ptr + s[:, None] * W + c[None, :], mask=tile, other=0.0)
     n_max = tl.max(rows, axis=0)
+    neg_zero = tl.full([BKEY, BC], 0x80000000, tl.uint32).to(tl.float32, bitcast=True)
     j = 0
     while j < n_max:
         loaded = ()
         for u in tl.static_range(ROWS):
             more = tile & (j + u < rows)[:, None]
             loaded = loaded + (tl.load(contrib_ptr + (first + j + u)[:, None] * W + c[None, :], mask=more,
-                                       other=0.0),)
+                                       other=neg_zero),)
         for u in tl.static_range(ROWS):
             acc += loaded[u]
         j += ROWS
