@@ -152,7 +152,7 @@ def measure(T: int, S: int, heads: int, dim: int, k: int, route: str | None, cal
     call = decode_call(T, S, heads, dim, k)
     row = dict(T=T, S=S, H=heads, D=dim, k=k, route=route or "default")
     with stubbed(ROUTES.get(route)):
-        row["table"] = plan.table_route(T, S)
+        row["table"] = plan.table_route(T, S, captured=False)
         call()
         _launches.clear()
         call()
@@ -185,7 +185,7 @@ def measure_cuda(T: int, S: int, heads: int, dim: int, k: int, route: str | None
     if route is not None:
         plan.TABLE_MAX_BYTES = ROUTES[route]
     try:
-        row["table"] = plan.table_route(T, S)
+        row["table"] = plan.table_route(T, S, captured=False)
         for _ in range(3):
             call()
         torch.cuda.synchronize()

@@ -18,9 +18,10 @@ sequences of different lengths (a per-sequence query offset). k = 2048, D = 128,
 Columns: hyscale_table_route (whether the plan takes the table route, ``plan.Plan.table``: the call writes its
 composite table and runs torch.topk, as small calls do, instead of the pipeline), hyscale_ms
 (``hyscale_compile.indexer_topk``: the operator as a compiled model calls it, host work included),
-hyscale_graph_ms (the same call replayed from a CUDA graph: what a decode engine runs),
-hyscale_pipeline_ms / hyscale_pipeline_graph_ms (where the plan takes the table route: the pipeline forced, eager
-and replayed, so that the route's rule is checked where it decides),
+hyscale_graph_ms (the same call replayed from a CUDA graph: what a decode engine runs; a captured call has its
+own route rule, hyscale_graph_table_route), hyscale_pipeline_ms / hyscale_pipeline_graph_ms and hyscale_table_ms /
+hyscale_table_graph_ms (at T <= 256: each route forced, eager and replayed, so that the route rules are checked
+where they decide),
 hyscale_unsorted_ms (sorted=False, what an order-free site runs), table_topk_ms (our fused score kernel
 writing the fp32 table, then torch.topk), peer_topk_ms / peer (the table, then the fastest of FlashInfer's
 radix top-k and CUB's DeviceBatchedTopK, benchmarks/peers), rows_recovered / fallbacks (the kernels'
@@ -159,13 +160,16 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
         row["hyscale_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, "graph"))
     if T >= 4096:
         row["hyscale_unsorted_ms"] = round(median_ms(lambda: hy(False)), 4)
-    if row["hyscale_table_route"]:  # what the pipeline would have cost here: the measurement behind the route rule
-        table_max, plan.TABLE_MAX_BYTES = plan.TABLE_MAX_BYTES, 0
-        try:
-            row["hyscale_pipeline_ms"] = round(median_ms(hy), 4)
-            row["hyscale_pipeline_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, "pipeline graph"))
-        finally:
-            plan.TABLE_MAX_BYTES = table_max
+    if T <= 256:  # each route forced, eager and replayed: the measurements behind the route rules
+        row["hyscale_graph_table_route"] = plan.table_route(B * T, S, captured=True)
+        table_max = plan.TABLE_MAX_BYTES
+        for route, forced in (("pipeline", 0), ("table", 1 << 62)):
+            plan.TABLE_MAX_BYTES = forced
+            try:
+                row[f"hyscale_{route}_ms"] = round(median_ms(hy), 4)
+                row[f"hyscale_{route}_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, f"{route} graph"))
+            finally:
+                plan.TABLE_MAX_BYTES = table_max
     row["table_topk_ms"] = round(median_ms(lambda: torch.topk(tab().view(B, T, S), k, dim=-1)), 4)
     if peers is not None and T >= 4096:
         best = None

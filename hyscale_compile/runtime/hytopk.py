@@ -1,8 +1,9 @@
 """HyTopK: exact top-k selection that never writes the score table (docs/design.md, section 4).
 
-Small calls (a composite table of at most plan.TABLE_MAX_BYTES: decode steps) take the table route
-instead: one kernel writes the table with the same score bits, torch.topk ranks it (table_path.py);
-what they would save is less than the pipeline's fixed launches cost. The pipeline, for the rest:
+Small calls (a composite table of at most plan.TABLE_MAX_BYTES, more where no CUDA graph captures the
+call: decode steps) take the table route instead: one kernel writes the table with the same score bits,
+torch.topk ranks it (table_path.py); what they would save is less than the pipeline's fixed launches cost.
+The pipeline, for the rest:
 
     sample     -> per row, keys of M evenly spaced positions of its range       (sample.py)
     threshold  -> the ceil(target*m/ctx)-th best sample; writes the row's extras (sample.py)
@@ -41,7 +42,7 @@ from .filter import filter_rows
 from .final_select import select_composites, select_rows, select_rows_reference
 from .final_sort import decode, sort_width
 from .plan import DEFAULT, Plan, Tuning, make_plan, table_plan, table_route
-from .problem import Problem
+from .problem import Problem, capturing
 from .recover import recover
 from .reference import Visibility
 from .rescore import rescore
@@ -66,7 +67,8 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
         return (torch.empty(B, T, k, dtype=torch.float32, device=q.device),
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = Problem(q, kx, weights, scale, relu, vis, fill, tuning.tile)
-    plan = table_plan(k) if table_route(pb.rows, pb.S, tuning) else make_plan(pb, k, tuning)
+    table = table_route(pb.rows, pb.S, tuning, captured=capturing(pb.device))
+    plan = table_plan(k) if table else make_plan(pb, k, tuning)
     if plan.table:  # a small problem: its composite table and torch.topk (table_path.py)
         return table_path.select(pb, plan, sorted)
     buf, used = candidates(pb, plan)

@@ -15,7 +15,7 @@ import torch
 from .env import interpreting
 from .filter_append import APPEND_ATOMIC, APPEND_PTX, APPEND_RESERVED
 from .final_pivots import lists_fit_rows
-from .problem import Problem, cdiv
+from .problem import Problem, capturing, cdiv
 from .reference import Visibility
 from .score_tile import TileConfig
 
@@ -25,6 +25,13 @@ RESERVED_APPEND_MAX_HEADS = 32  # up to this many heads the filter reserves slot
 # work, which dominate a decode step (one or a few query rows). Past it the table is what the pipeline saves
 # (benchmarks/NOTES-selection.md, "Defaults and the measurements behind them": table route).
 TABLE_MAX_BYTES = 32 << 20
+# An uncaptured call pays its host work every time, and at these sizes that is most of it: the pipeline issues
+# six launches and a few dozen torch ops, the table route two launches and torch.topk. So an uncaptured call
+# takes the table route up to EAGER_TABLE_FACTOR times TABLE_MAX_BYTES, where writing the table still costs the
+# device less than the pipeline's host work takes (NOTES-selection.md, "Defaults ...": table route). A call
+# captured into a CUDA graph pays no host work on replay, and its graph would keep the table in its pool for
+# good: there the device-time rule stands.
+EAGER_TABLE_FACTOR = 8
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ def sizes(k: int, S: int, tuning: Tuning = DEFAULT) -> tuple[int, int, int]:
 
 
 def make_plan(pb: Problem, k: int, tuning: Tuning = DEFAULT) -> Plan:
-    table = table_route(pb.rows, pb.S, tuning)
+    table = table_route(pb.rows, pb.S, tuning, captured=capturing(pb.device))
     target, cap, M = sizes(k, pb.S, tuning)
     programs = device_programs(pb.device, tuning)
     append, asm = append_kind(pb.tile, pb.S, pb.H, cap, asm=not interpreting())
@@ -99,14 +106,15 @@ def table_plan(k: int) -> Plan:
                 append=0, asm=False, filter_options={}, row_lists=False, table=True)
 
 
-def table_route(rows: int, S: int, tuning: Tuning = DEFAULT) -> bool:
+def table_route(rows: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool) -> bool:
     """Whether a call of ``rows`` query rows over S keys writes its composite table and runs torch.topk
     (table_path.py) instead of the pipeline: where that int64 table [rows, S] takes at most
-    TABLE_MAX_BYTES, so decode steps and other small calls (the pipeline's promise never to write the
-    table is about the tables that matter: large ones). A tuning's ``table`` forces either route."""
+    TABLE_MAX_BYTES in a call being ``captured`` into a CUDA graph, EAGER_TABLE_FACTOR times that in one
+    that is not: decode steps and other small calls (the pipeline's promise never to write the table is about
+    the tables that matter: large ones). A tuning's ``table`` forces either route."""
     if tuning.table is not None:
         return tuning.table
-    return rows * S * 8 <= TABLE_MAX_BYTES
+    return rows * S * 8 <= TABLE_MAX_BYTES * (1 if captured else EAGER_TABLE_FACTOR)
 
 
 def device_programs(device: torch.device, tuning: Tuning = DEFAULT) -> int:

@@ -155,7 +155,7 @@ def _static_ranges(B: int, T: int, S: int, causal: bool, offset: int,
     evicts it while the graph still reads it (a graph's own are in its pool, which it keeps). The stream is part
     of the key: an evicted tensor's memory goes back to its stream's pool, reused only by work ordered after
     the kernels that read it."""
-    if _capturing(device):
+    if capturing(device):
         return _build_ranges(B, T, S, causal, offset, device, _new_zeros(B, T, device))
     return kept(_RANGES, (B, T, S, causal, offset, device, _stream(device)),
                 lambda: _build_ranges(B, T, S, causal, offset, device, _zeros(B, T, device)), _KEPT_MAX)
@@ -187,7 +187,8 @@ def _new_zeros(B: int, T: int, device: torch.device) -> Tensor:
     return torch.zeros(B, T, dtype=torch.int64, device=device)
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph (never off CUDA)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -201,7 +202,7 @@ def _dummy(device: torch.device) -> Tensor:
     got = _DUMMIES.get(device)
     if got is None:
         got = torch.empty(1, dtype=torch.float32, device=device)
-        if not _capturing(device):
+        if not capturing(device):
             _DUMMIES[device] = got
     return got
 

@@ -226,7 +226,9 @@ def test_tie_rows_need_no_recovery(family):
 def test_table_route_at_decode_shapes(T, S, H):
     """Decode shapes take the table route by default; it selects the pipeline's bits (random values: every
     sum inexact, so only the same arithmetic gives the same bits), sorted and unsorted (the same entries),
-    without a sync, and from a CUDA graph. T=16 at 2**20 keys is past the table limit: the plan says so."""
+    without a sync, and from a CUDA graph. T=64 at 131072 keys and T=16 at 2**20 are past the captured limit,
+    within the uncaptured one: the plan says so, and a default call captured into a graph (then the pipeline's)
+    returns the same bits."""
     hytopk, _, _ = _mods()
     from hyscale_compile.runtime import plan as plan_mod
     from hyscale_compile.runtime.problem import Problem
@@ -237,7 +239,7 @@ def test_table_route_at_decode_shapes(T, S, H):
     w = torch.randn(1, T, H, device="cuda", generator=g)
     vis = Visibility(causal=True, offset=S - T)
     pb = Problem(q, kx, w, 0.1, True, vis, NEG_INF)
-    assert plan_mod.make_plan(pb, 2048).table == (T * S * 8 <= plan_mod.TABLE_MAX_BYTES)
+    assert plan_mod.make_plan(pb, 2048).table == (T * S * 8 <= plan_mod.TABLE_MAX_BYTES * plan_mod.EAGER_TABLE_FACTOR)
     v, i = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=tuning())
     tv, ti = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=tuning(table=True))
     assert torch.equal(tv.view(torch.int32), v.view(torch.int32)) and torch.equal(ti, i)
@@ -261,6 +263,14 @@ def test_table_route_at_decode_shapes(T, S, H):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gv, gi = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=table)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)
+    # the default route of a captured call, which differs from the uncaptured one past TABLE_MAX_BYTES
+    assert plan_mod.table_route(T, S, captured=True) == (T * S * 8 <= plan_mod.TABLE_MAX_BYTES)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gv, gi = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)

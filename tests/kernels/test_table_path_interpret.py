@@ -177,11 +177,17 @@ def _problem(B, T, S, H=64, D=128):
 
 
 def test_plan_routes_decode_to_the_table_and_prefill_to_the_pipeline():
-    for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 32, 131072), (1, 4, 1 << 20), (8, 1, 131072)]:
+    # the plan of an uncaptured call (a CPU call never is captured): the table route up to 8x the captured limit
+    for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 64, 131072), (1, 256, 32768), (1, 256, 131072),
+                    (1, 16, 1 << 20), (8, 1, 131072)]:
         assert make_plan(_problem(B, T, S), 2048).table, (B, T, S)
-    for B, T, S in [(1, 4096, 131072), (1, 64, 131072), (1, 256, 32768), (1, 16, 1 << 20), (2, 4096, 8192)]:
+    for B, T, S in [(1, 4096, 131072), (1, 512, 131072), (1, 64, 1 << 20), (2, 4096, 8192), (2, 256, 131072)]:
         assert not make_plan(_problem(B, T, S), 2048).table, (B, T, S)
-    assert plan.table_route(1, plan.TABLE_MAX_BYTES // 8) and not plan.table_route(1, plan.TABLE_MAX_BYTES // 8 + 1)
+    limit = plan.TABLE_MAX_BYTES // 8  # keys of one row whose int64 table fills the captured limit
+    assert plan.table_route(1, limit, captured=True) and not plan.table_route(1, limit + 1, captured=True)
+    eager = limit * plan.EAGER_TABLE_FACTOR
+    assert plan.table_route(1, eager, captured=False) and not plan.table_route(1, eager + 1, captured=False)
+    assert plan.table_route(64, 131072, captured=False) and not plan.table_route(64, 131072, captured=True)
     decode, prefill = _problem(1, 1, 32768), _problem(1, 4096, 131072)
     assert not make_plan(decode, 2048, PIPELINE).table and make_plan(prefill, 2048, TABLE).table  # forced
     assert make_plan(decode, 2048).filter_options == {}  # the table route builds no descriptors
@@ -261,3 +267,14 @@ def test_problem_statics_are_kept_per_tile_and_flags():
         assert e.consts["BS"] == e.tile.bs == bs // 2 and a.consts["BS"] == a.tile.bs == bs
     finally:
         score_tile.TILE.bs = bs
+
+
+def test_the_route_rule_asks_the_stream_whether_it_captures(monkeypatch):
+    """The plan's capture test is torch's own (a CPU build has none to call, so it is stood in for here)."""
+    from hyscale_compile.runtime import problem
+
+    cuda = torch.device("cuda")
+    for state in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda state=state: state)
+        assert problem.capturing(cuda) is state
+    assert problem.capturing(torch.device("cpu")) is False
