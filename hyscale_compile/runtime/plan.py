@@ -31,7 +31,7 @@ TABLE_MAX_BYTES = 32 << 20
 # device less than the pipeline's host work takes (NOTES-selection.md, "Defaults ...": table route). A call
 # captured into a CUDA graph pays no host work on replay, and its graph would keep the table in its pool for
 # good: there the device-time rule stands.
-EAGER_TABLE_FACTOR = 8
+EAGER_TABLE_FACTOR = 4
 
 
 @dataclass(frozen=True)

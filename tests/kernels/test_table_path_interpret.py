@@ -177,11 +177,11 @@ def _problem(B, T, S, H=64, D=128):
 
 
 def test_plan_routes_decode_to_the_table_and_prefill_to_the_pipeline():
-    # the plan of an uncaptured call (a CPU call never is captured): the table route up to 8x the captured limit
-    for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 64, 131072), (1, 256, 32768), (1, 256, 131072),
-                    (1, 16, 1 << 20), (8, 1, 131072)]:
+    # the plan of an uncaptured call (a CPU call never is captured): the table route up to 4x the captured limit
+    for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 64, 131072), (1, 256, 32768), (1, 16, 1 << 20),
+                    (8, 1, 131072)]:
         assert make_plan(_problem(B, T, S), 2048).table, (B, T, S)
-    for B, T, S in [(1, 4096, 131072), (1, 512, 131072), (1, 64, 1 << 20), (2, 4096, 8192), (2, 256, 131072)]:
+    for B, T, S in [(1, 4096, 131072), (1, 256, 131072), (1, 64, 1 << 20), (2, 4096, 8192), (2, 128, 131072)]:
         assert not make_plan(_problem(B, T, S), 2048).table, (B, T, S)
     limit = plan.TABLE_MAX_BYTES // 8  # keys of one row whose int64 table fills the captured limit
     assert plan.table_route(1, limit, captured=True) and not plan.table_route(1, limit + 1, captured=True)
