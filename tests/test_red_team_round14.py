@@ -17,10 +17,14 @@ left alone with a reason. Tiny sizes: seconds on the CPU.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import check_compiled
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 B, T, S, H, D, K = 2, 6, 8, 2, 8, 4
 HI, DI = 3, 8  # the indexer's heads and dim
@@ -53,9 +57,11 @@ def _inputs(seed=0, t=T, s=S, dt=torch.float32):
 
 
 def _check_sites(fn, args, expect, grad=ALL, compiler="eager", **tol):
-    """check_compiled (ties broken by position where the selection is rewritten, the operator's rule); ``expect``:
+    """check_compiled (ties broken by position where a selection is rewritten, the operator's rule; eager's torch.topk
+    where none is, as the compiled graph then runs it too); ``expect``:
     (kind, decision, words of the reason or the mask kind) of each site, in order."""
-    ties = all(e[1] == "rewritten" for e in expect if e[0] == "selection")
+    sel = [e[1] for e in expect if e[0] == "selection"]
+    ties = bool(sel) and all(d == "rewritten" for d in sel)
     reports = check_compiled(fn, args, grad=grad, ties=ties, compiler=compiler, **tol)
     got = [(r.kind, r.decision) for r in reports]
     assert got == [e[:2] for e in expect], [(r.kind, r.decision, r.reason) for r in reports]
@@ -165,3 +171,97 @@ def test_autocast_around_hf_eager_attention_still_rewritten():
             return _hf_eager(q, k, v, _keep(qi, ki, w), fill=torch.finfo(torch.bfloat16).min)
 
     _check_sites(model, _inputs(2), [("selection", "rewritten", "bfloat16"), _rw("causal")], rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# SDPA under sdpa_kernel, float masks, two attentions, checkpointing, gradients of some inputs only
+
+
+def _sdpa_in_kernel_context(backends):
+    def model(qi, ki, w, q, k, v):
+        with sdpa_kernel(backends):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=_keep(qi, ki, w))
+
+    return model
+
+
+def _selective_checkpoint(qi, ki, w, q, k, v):
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default) else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+
+    return checkpoint(lambda qi, ki, w, q, k, v: _hf_eager(q, k, v, _keep(qi, ki, w)), qi, ki, w, q, k, v,
+                      use_reentrant=False, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+
+def _two_sdpa_scale_none_and_explicit(qi, ki, w, q, k, v):
+    idx = _picks(qi, ki, w)
+    o1 = F.scaled_dot_product_attention(q, k, v, attn_mask=(_picked(idx) & _causal())[:, None])
+    return o1 + F.scaled_dot_product_attention(q, k, v, attn_mask=(_picked(idx) & _causal())[:, None], scale=0.3)
+
+
+@torch.compiler.disable
+def _selected_outside(qi, ki, w):
+    return _picks(qi, ki, w)
+
+
+def _selection_in_a_disabled_region(qi, ki, w, q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(_picked(_selected_outside(qi, ki, w)) & _causal())[:, None])
+
+
+def _graph_break_between(qi, ki, w, q, k, v):
+    idx = _picks(qi, ki, w)
+    torch._dynamo.graph_break()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(_picked(idx) & _causal())[:, None])
+
+
+ATTENTIONS = {  # name: (model, the sites)
+    "sdpa_kernel_math": (_sdpa_in_kernel_context(SDPBackend.MATH), [SEL, _rw("causal")]),
+    "sdpa_kernel_list": (_sdpa_in_kernel_context([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]),
+                         [SEL, _rw("causal")]),
+    "sdpa_float_minus_inf": (lambda qi, ki, w, q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.where(_keep(qi, ki, w), 0.0, NEG)), [SEL, _rw("causal")]),
+    # a row could have no visible pick as far as the pass knows: SDPA's gradient there depends on its kernel
+    "sdpa_float_finfo_min": (lambda qi, ki, w, q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.zeros(B, 1, T, S).masked_fill(~_keep(qi, ki, w), MIN)),
+        [SEL, _rj("depends on the kernel SDPA picks")]),
+    "sdpa_float_minus_1e9": (lambda qi, ki, w, q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=(~_keep(qi, ki, w)).float() * -1e9), [SEL, _rj("does not hide them exactly")]),
+    "weights_read_twice": (lambda qi, ki, w, q, k, v: (lambda p: (p @ v, p.amax(-1)))(
+        F.softmax(_logits(q, k).masked_fill(~_keep(qi, ki, w), MIN), -1)), [SEL, _rj("weights are read by amax")]),
+    "one_mask_two_sdpa": (lambda qi, ki, w, q, k, v: (lambda m: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m) + F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3))(_keep(qi, ki, w)),
+        [SEL, _rj("feeds 2 attention calls")]),
+    "two_masks_scale_none_and_explicit": (_two_sdpa_scale_none_and_explicit, [SEL, _rw("causal"), _rw("causal")]),
+    "selective_checkpoint": (_selective_checkpoint, [SEL, _rw("causal")]),
+    "selection_in_a_disabled_region": (_selection_in_a_disabled_region, [_rj("the graph input")]),
+    "graph_break_between": (_graph_break_between, [SEL, _rj("the graph input `idx`")]),
+}
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", sorted(ATTENTIONS))
+def test_attention_sites(name, compiler):
+    fn, expect = ATTENTIONS[name]
+    _check_sites(fn, _inputs(3), expect, compiler=compiler)
+
+
+@pytest.mark.parametrize("grad", [(5,), (3,), (4, 5), (1, 3)])
+def test_reentrant_checkpoint_gradients_of_some_inputs(grad):
+    def model(qi, ki, w, q, k, v):
+        return checkpoint(lambda qi, ki, w, q, k, v: _hf_eager(q, k, v, _keep(qi, ki, w)), qi, ki, w, q, k, v,
+                          use_reentrant=True)
+
+    _check_sites(model, _inputs(4), [SEL, _rw("causal")], grad=grad, compiler="aot_eager", backward=True)
+
+
+def test_inference_mode_decode_with_a_cache():
+    """A decode step (T = 1) under inference_mode: the new key written into a cache buffer, then attended."""
+    def model(qi, ki, w, q, k, v):
+        kc, vc = torch.zeros(B, H, S, D), torch.zeros(B, H, S, D)
+        kc[:, :, :-1], vc[:, :, :-1] = k[:, :, :-1], v[:, :, :-1]
+        kc[:, :, -1:], vc[:, :, -1:] = k[:, :, -1:] * 2, v[:, :, -1:] * 2
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=_picked(_picks(qi, ki, w, t=1))[:, None])
+
+    with torch.inference_mode():
+        _check_sites(model, _inputs(5, t=1), [SEL, _rw("none")], grad=())
