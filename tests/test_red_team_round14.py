@@ -22,9 +22,11 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check_compiled
+from helpers import check_compiled, ties_by_position
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from hyscale_compile.passes import report
 
 B, T, S, H, D, K = 2, 6, 8, 2, 8, 4
 HI, DI = 3, 8  # the indexer's heads and dim
@@ -265,3 +267,122 @@ def test_inference_mode_decode_with_a_cache():
 
     with torch.inference_mode():
         _check_sites(model, _inputs(5, t=1), [SEL, _rw("none")], grad=())
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4 / NSA layouts, -1 padded picks, hand-written gathers, chunked prefill, k = min(topk, S)
+
+BLK = 2
+
+
+def _v4_compressed_with_a_window(qi, ki, w, q, k, v):
+    """An indexer over mean-pooled block keys; sparse attention over the compressed kv under a block-causal mask
+    (block j visible once its last token is); a sliding-window branch over the raw keys; the two gated."""
+    sc = S // BLK
+    vis = torch.arange(sc)[None, :] * BLK + (BLK - 1) <= torch.arange(T)[:, None] + (S - T)
+    idx = _score(qi, ki.view(B, sc, BLK, DI).mean(2), w).masked_fill(~vis, NEG).topk(2).indices
+    kc, vc = k.view(B, H, sc, BLK, D).mean(3), v.view(B, H, sc, BLK, D).mean(3)
+    keep = torch.zeros(B, T, sc, dtype=torch.bool).scatter(-1, idx, True) & vis
+    o_cmp = F.scaled_dot_product_attention(q, kc, vc, attn_mask=keep[:, None])
+    window = _causal() & (torch.arange(S)[None, :] > torch.arange(T)[:, None] + (S - T) - 3)
+    return o_cmp * 0.3 + F.scaled_dot_product_attention(q, k, v, attn_mask=window) * 0.7
+
+
+def _compressed_picks_mapped_back(qi, ki, w, q, k, v):
+    sc = S // BLK
+    vis = torch.arange(sc)[None, :] * BLK <= torch.arange(T)[:, None] + (S - T)
+    idx = _score(qi, ki.view(B, sc, BLK, DI).mean(2), w).masked_fill(~vis, NEG).topk(2).indices
+    tokens = (idx[..., None] * BLK + torch.arange(BLK)).flatten(-2)
+    keep = torch.zeros(B, T, S, dtype=torch.bool).scatter(-1, tokens, True) & _causal()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
+
+
+def _minus_one_padded_to_an_extra_column(qi, ki, w, q, k, v):
+    """DeepSeek's inference code marks invalid picks (rows with fewer than K visible keys); here sent to a spare
+    column S, cut off after the scatter."""
+    vals, idx = _score(qi, ki, w).masked_fill(~_causal(off=-2), NEG).topk(K)
+    keep = torch.zeros(B, T, S + 1, dtype=torch.bool).scatter(-1, torch.where(vals == NEG, S, idx), True)[..., :S]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
+
+
+def _minus_one_padded_compared(qi, ki, w, q, k, v):
+    vals, idx = _score(qi, ki, w).masked_fill(~_causal(off=-2), NEG).topk(K)
+    keep = (torch.where(vals == NEG, -1, idx)[..., None] == torch.arange(S)).any(-2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
+
+
+def _empty_rows_behind_finfo_min(qi, ki, w, q, k, v):
+    """Rows 0 and 1 see no key at all: the mean of v, as eager's softmax over finfo.min gives."""
+    idx = _score(qi, ki, w).masked_fill(~_causal(off=-2), NEG).topk(K).indices
+    a = _logits(q, k).masked_fill(~(_picked(idx) & _causal(off=-2))[:, None], MIN)
+    return F.softmax(a, -1, dtype=torch.float32) @ v
+
+
+def _gathered_by_index_select(qi, ki, w, q, k, v):
+    idx = _score(qi, ki, w).masked_fill(~_causal(), NEG).topk(K).indices
+    kk, vv = (torch.stack([torch.stack([x[b].index_select(1, idx[b, t]) for t in range(T)], 1) for b in range(B)])
+              for x in (k, v))
+    return (((q[:, :, :, None] * kk).sum(-1) * D ** -0.5).softmax(-1)[..., None] * vv).sum(-2)
+
+
+def _gathered_by_advanced_indexing(qi, ki, w, q, k, v):
+    vals, idx = _score(qi, ki, w).masked_fill(~_causal(off=-1), MIN).topk(K)
+    bi = torch.arange(B)[:, None, None]
+    kk, vv = k.transpose(1, 2)[bi, idx], v.transpose(1, 2)[bi, idx]  # [B, T, K, H, D]
+    a = (torch.einsum("bhtd,btkhd->bhtk", q, kk) * D ** -0.5).masked_fill((vals == MIN)[:, None], NEG)
+    return torch.einsum("bhtk,btkhd->bhtd", a.softmax(-1), vv)
+
+
+LAYOUTS = {
+    "v4_compressed_with_a_window": (_v4_compressed_with_a_window,
+                                    [("selection", "rewritten", ""), _rw("mask read at the picks")]),
+    "compressed_picks_mapped_back": (_compressed_picks_mapped_back, [SEL, _rj("not a top-k's")]),
+    "minus_one_padded_to_an_extra_column": (_minus_one_padded_to_an_extra_column, [SEL, _rj("not a top-k's")]),
+    "minus_one_padded_compared": (_minus_one_padded_compared, [SEL]),
+    "empty_rows_behind_finfo_min": (_empty_rows_behind_finfo_min, [SEL, _rw("causal")]),
+    "gathered_by_index_select": (_gathered_by_index_select, [SEL]),
+    "gathered_by_advanced_indexing": (_gathered_by_advanced_indexing, [SEL]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layouts(name):
+    fn, expect = LAYOUTS[name]
+    _check_sites(fn, _inputs(6), expect, compiler="aot_eager")
+
+
+def _prefill_at_cache_positions(qi, ki, w, q, k, v, cache_position):
+    """Chunked prefill: T queries at the positions ``cache_position`` (a tensor: here not consecutive, as in
+    tree / speculative decoding) among S cached keys; HF eager attention."""
+    visible = torch.arange(S)[None, :] <= cache_position[:, None]
+    idx = _score(qi, ki, w).masked_fill(~visible, NEG).topk(K).indices
+    return _hf_eager(q, k, v, (_picked(idx) & visible)[:, None])
+
+
+@pytest.mark.parametrize("positions", [(5, 6, 7), (2, 6, 4)])
+def test_prefill_at_cache_positions_held_in_a_tensor(positions):
+    args = (*_inputs(7, t=3), torch.tensor(positions))
+    _check_sites(_prefill_at_cache_positions, args, [("selection", "rewritten", "window"),
+                                                     _rw("mask read at the picks")], grad=(0, 1, 2, 3, 4, 5))
+
+
+def test_k_from_min_of_topk_and_s_under_dynamic_shapes():
+    """``k = min(index_topk, S)`` with S growing past index_topk under dynamic=True: each call is eager's (the
+    attention left dense with a reason while the head dim and the lengths are symbols it cannot prove)."""
+    def model(qi, ki, w, q, k, v):
+        t, s = q.shape[2], k.shape[2]
+        visible = torch.arange(s)[None, :] <= torch.arange(t)[:, None] + (s - t)
+        idx = _score(qi, ki, w).masked_fill(~visible, NEG).topk(min(6, s), dim=-1).indices
+        keep = torch.zeros(B, t, s, dtype=torch.bool).scatter(-1, idx, True) & visible
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
+
+    compiled = torch.compile(model, backend="hyscale", options={"compiler": "aot_eager"}, dynamic=True)
+    for t, s in ((3, 4), (3, 5), (6, 8), (1, 9)):
+        args = _inputs(8, t=t, s=s)
+        with report.collect() as reports:
+            got = compiled(*args)
+        with ties_by_position():
+            want = model(*args)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert all(r.decision == "rewritten" for r in reports if r.kind == "selection"), reports
+        assert all(r.reason for r in reports if r.decision == "rejected"), reports
