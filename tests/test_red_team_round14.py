@@ -11,6 +11,21 @@ evaluation cast only the constant it carries) gave outputs 1e-3 apart from eager
 computes weights and scores in the product's dtype. Such casts now leave the site alone with the reason; casts up
 to float32 and to the product's dtype (HF's ``softmax(dtype=float32).to(q.dtype)``, autocast) are still rewritten.
 
+Tried besides, all already right: SDPA inside ``sdpa_kernel`` contexts (one backend, a list); float SDPA masks of
+-inf (rewritten), finfo.min (left alone: a row could be empty, where SDPA's gradient depends on its kernel) and -1e9
+(left alone: does not hide exactly); attention weights read by a second consumer; one mask read by two SDPA calls and
+two masks from one selection with the default and an explicit scale; selective checkpointing
+(``create_selective_checkpoint_contexts``) and reentrant checkpointing with gradients of some inputs only; the
+selection in a ``torch.compiler.disable`` function or before a graph break (the indices a graph input: left alone,
+the reason names it); a decode step under ``inference_mode`` writing the new key into a cache buffer; DeepSeek-V4
+style sparse attention over mean-pooled block keys under a block-causal mask beside a sliding-window branch (the
+mask read at the picks), compressed picks mapped back to tokens (``idx * block + arange``) and picks padded with an
+out-of-range or -1 marker (left alone: not a top-k's); rows with no visible key behind finfo.min (the mean of v);
+hand-written sparse attention gathering k / v at the picks (``index_select``, advanced indexing: no site); chunked
+prefill at cache positions held in a tensor, consecutive or not (a window for the selection, the mask read at the
+picks for the attention); ``k = min(index_topk, S)`` under dynamic=True with S crossing index_topk; autocast around
+HF's eager attention.
+
 Otherwise every rewritten site matched eager (outputs and gradients of every input) and every other site was
 left alone with a reason. Tiny sizes: seconds on the CPU.
 """
