@@ -205,6 +205,12 @@ class _Expr:
         if node in memo:
             return memo[node]
         memo[node] = out = self._ev_node(node, picked, partners, memo)
+        logits = dtype(self.site.attention.logits)
+        if isinstance(out, Score) and out.c.dtype not in (logits, torch.float32):
+            # the op computes the scores in the product's dtype (or float32) and never rounds them to another
+            raise Reject(f"the mask arithmetic rounds the attention scores ({logits}) to {out.c.dtype} "
+                         f"({describe(node)} at {source_line(node)}) before the softmax, which the op does not",
+                         self.site.scatter)
         return out
 
     def _ev_node(self, node: fx.Node, picked, partners, memo):

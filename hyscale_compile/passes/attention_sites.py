@@ -425,6 +425,7 @@ def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
                          scatter)
         n = u
     out = nodes[-1]
+    _check_weights_precision(x, nodes[:-1], dtype(out), scatter)
     v = out.args[1]
     logits = _find_logits(x, chain, scatter)
     q, k, scale, lnodes = logits
@@ -432,6 +433,22 @@ def eager(softmax: fx.Node, chain: set[fx.Node], scatter: fx.Node) -> Attention:
     product = next(n for n in lnodes if op_name(n) == "matmul")
     return Attention("eager", out, x, q, k, v, scale, _compute_dtype(dtype(product), dtype(out), scatter),
                      logits=lnodes[0], product=product, nodes=tuple(lnodes + nodes), dropout=how)
+
+
+def _check_weights_precision(x: fx.Node, weights: list[fx.Node], pv: torch.dtype | None, scatter: fx.Node) -> None:
+    """The attention weights from the softmax to the product with v are held in float32 or in the product's own
+    dtype only: a cast to a narrower dtype on the way (``p.bfloat16().float() @ v`` in a float32 model, a softmax
+    given its dtype by position, ``torch.softmax(a, -1, torch.float16)``, which rounds its input too) rounds them
+    where the op, computing in the product's dtype, does not."""
+    softmax = weights[0]
+    if dtype(softmax) != dtype(x) and dtype(softmax) != torch.float32:
+        raise Reject(f"the softmax casts the scores to {dtype(softmax)} before it (its dtype argument), rounding them "
+                     "where the op does not", scatter)
+    for n in weights:
+        if dtype(n) not in (torch.float32, pv):
+            raise Reject(f"the attention weights are rounded to {dtype(n)} ({describe(n)} at {source_line(n)}) before "
+                         f"their product with v in {pv}: the op computes them in {pv} and would not round them",
+                         scatter)
 
 
 def _find_logits(root: fx.Node, chain: set[fx.Node], scatter: fx.Node):
