@@ -45,12 +45,12 @@ def fresh_caches(monkeypatch):
 def test_ranges_handed_to_a_graph_capture_outlive_the_cache(fresh_caches, monkeypatch, B):
     vis = Visibility(causal=True, offset=5)
     warm = problem.ranges(vis, B, 4, 16, CPU)  # a warm-up call outside capture: kept
-    monkeypatch.setattr(problem, "_capturing", lambda device: True)
+    monkeypatch.setattr(problem, "capturing", lambda device: True)
     captured = problem.ranges(vis, B, 4, 16, CPU)  # the call a CUDA graph records: its pointers are baked in
     shared = [c is w for c, w in zip(captured, warm)]
     refs = [weakref.ref(t) for t in captured]
     del warm, captured
-    monkeypatch.setattr(problem, "_capturing", lambda device: False)
+    monkeypatch.setattr(problem, "capturing", lambda device: False)
     for step in range(problem._KEPT_MAX + 1):  # later decode steps (the offset grows by one a call) ...
         problem.ranges(Visibility(causal=True, offset=100 + step), B, 4, 16, CPU)
     for T in range(5, 5 + problem._KEPT_MAX + 1):  # ... and other row counts
