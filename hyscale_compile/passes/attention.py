@@ -28,7 +28,7 @@ from . import attention_cost as cost_
 from . import attention_masks as masks_
 from . import attention_rewrite as rewrite_
 from . import attention_sites as sites_
-from . import debug, inplace, selection
+from . import debug, inplace, regions, selection
 from .attention_mla import NotLatent, match
 from .graph_ops import Aliases, arg, dtype, mutates, op_name, shape, source_line, value, written_by
 from .index_expr import Reject
@@ -55,22 +55,24 @@ def run(gm: fx.GraphModule, debug_dir: str | None = None, always: bool | None = 
     always = cost_.always() if always is None else always
     reports: list[SiteReport] = []
     dumping = bool(debug_dir) or debug.tracing()
+    links = regions.links(gm)
     for name, sub in list(_graph_modules(gm)):
         before = sub.print_readable(print_output=False) if dumping else ""
         found = sites_.candidates(sub.graph)
         for node in found:
             if node.graph is sub.graph and node in sub.graph.nodes:
-                reports.append(_run_site(sub, name, node, always, keep_latent))
-        if any(r.decision == "rewritten" and r.graph == name for r in reports):
-            sub.graph.lint()
-            sub.recompile()
+                reports.append(_run_site(sub, name, node, always, keep_latent, links))
         if dumping and found:
             debug.dump(name, before, sub, debug_dir, pass_name="attention")
+    if any(r.decision == "rewritten" for r in reports):  # a site's selection may sit in another graph (its order)
+        for _, sub in _graph_modules(gm):
+            sub.graph.lint()
+            sub.recompile()
     return reports
 
 
 def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: bool = False,
-              keep_latent: bool = True) -> SiteReport:
+              keep_latent: bool = True, links: regions.Links | None = None) -> SiteReport:
     report = SiteReport(graph=graph_name, node=scatter.name, source=source_line(scatter), decision="rejected",
                         reason="", kind="attention")
     undo = _functionalize_scatter(gm.graph, scatter)
@@ -78,7 +80,7 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: boo
         consumer = sites_.consumer(scatter)
         if consumer is not None:  # ``m += causal``, ``full(-inf).triu_(1)``: read in-place updates of fresh tensors
             undo = _chain(undo, inplace.functionalize_ancestors(gm.graph, consumer))
-        site = find(scatter)
+        site = find(scatter, links)
         report.k = str(site.k)
         _describe(report, site)
         plan = masks_.plan(site)
@@ -86,6 +88,7 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: boo
         _check_gain(site)
         latent, why_not = _latent(site)
         check_no_mutation_between(site, plan)
+        check_no_mutation_across(site)
         estimate = _check_pays(site, latent, always, why_not)
         layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
         notes.append(estimate)
@@ -155,8 +158,9 @@ def _chain(first: inplace.Undo, second: inplace.Undo) -> inplace.Undo:
     return inplace.Undo(first.targets + second.targets, first.args + second.args)
 
 
-def find(scatter: fx.Node) -> sites_.Site:
-    """The site of an index-mask scatter (Reject when it is not one the op can replace)."""
+def find(scatter: fx.Node, links: regions.Links | None = None) -> sites_.Site:
+    """The site of an index-mask scatter (Reject when it is not one the op can replace); ``links`` lets the
+    indices come from a top-k in another checkpointed region."""
     base = scatter.args[0]
     fill = sites_.constant_fill(base) if op_name(base) in sites_.CONSTANT_TENSORS else None
     if fill is None or not sites_.same_shape(shape(base), shape(scatter)):
@@ -174,8 +178,9 @@ def find(scatter: fx.Node) -> sites_.Site:
         attention = sites_.eager(consumer, chain, scatter)
         chain.discard(consumer)
     S = shape(attention.k)[2]
-    origin, k = sites_.index_origin(index, S, scatter)
-    site = sites_.Site(scatter, base, index, origin, picked, fill, k, sites_.shape_of(index), chain, attention)
+    origin, k, crossed = sites_.index_origin(index, S, scatter, links)
+    site = sites_.Site(scatter, base, index, origin, picked, fill, k, sites_.shape_of(index), chain, attention,
+                       crossed)
     _check_chain_writes(site)
     return site
 
@@ -244,6 +249,23 @@ def check_no_mutation_between(site: sites_.Site, plan: masks_.MaskPlan) -> None:
         when = "after it is made" if at is x else "after the model read it"
         raise Reject(f"{describe(n)} at {source_line(n)} may change {x.name} {when} and before the attention, where "
                      "the op would read it as it was", site.scatter)
+
+
+def check_no_mutation_across(site: sites_.Site) -> None:
+    """Indices from a top-k in another graph (a checkpointed region's body or its caller): nothing in a graph they
+    pass through may write them, or a tensor sharing their memory, anywhere in it. Stricter than within the
+    site's graph, where only writes before the attention count: a caller's write after the region's call would
+    change what the backward's recomputation of the region reads."""
+    for x in site.crossed:
+        aliases = Aliases(x.graph)
+        for n in x.graph.nodes:
+            if not mutates(n):
+                continue
+            targets = written_by(n)
+            if targets is None or any(aliases.may_alias(t, x) for t in targets):
+                raise Reject(f"{describe(n)} at {source_line(n)} may change the indices ({x.name}) on their way from "
+                             "the top-k into the checkpointed region of the attention, where the op would read them "
+                             "as the top-k made them", site.scatter)
 
 
 def latent_write(site: sites_.Site, latent) -> str | None:

@@ -276,6 +276,11 @@ def _unreadable(node: fx.Node) -> str:
                 "input (floats are under dynamic=True), whose value is not known when the graph is compiled, so "
                 "whether it hides a key cannot be checked; write the constant in the model (torch.finfo(dtype).min, "
                 "float('-inf')) or compile without dynamic=True")
+    if node.op == "placeholder" and "grapharg" not in node.meta:  # a checkpointed region's input
+        return (f"the attention mask adds `{node.target}`, a float tensor given to the checkpointed region the "
+                "attention is in, which the pass does not follow out of the region to read it as visible / hidden "
+                "(it follows only the indices): build the mask inside the region, or use SDPA attention "
+                "(attn_implementation='sdpa'), whose boolean mask the pass reads at the picks")
     what = f"the graph input `{input_name(node)}`" if node.op == "placeholder" else \
         f"{describe(node)} ({node.name}, at {source_line(node)})"
     if shape(node) == ():

@@ -22,6 +22,7 @@ from torch import fx
 
 from .graph_ops import arg, dtype, infer_value, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Reject
+from .regions import Links
 from .report import input_name
 from .sites import describe
 
@@ -111,6 +112,7 @@ class Site:
     index_shape: tuple = ()  # the indices' shape (also where a pass inserted the node without recording it)
     chain: set[fx.Node] = field(default_factory=set)  # mask nodes, scatter to attention (both included)
     attention: Attention | None = None
+    crossed: tuple[fx.Node, ...] = ()  # the indices' nodes in other graphs (checkpointed regions, their callers)
 
     @property
     def line(self) -> str:
@@ -191,17 +193,35 @@ def candidates(graph: fx.Graph) -> list[fx.Node]:
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object]:
-    """The selection the scattered indices come from (through int32/int64 casts), and its k.
+def index_origin(index: fx.Node, S, site_node: fx.Node,
+                 links: Links | None = None) -> tuple[fx.Node, object, tuple[fx.Node, ...]]:
+    """The selection the scattered indices come from (through int32/int64 casts, and with ``links`` into and out
+    of checkpointed regions), its k, and the nodes of other graphs the indices pass through on the way (where
+    nothing may write them: ``attention.check_no_mutation_across``).
 
     A top-k's (``topk``, ``hyscale.select``, a ``sort``/``argsort`` sliced ``[..., :k]``) indices are distinct
     within a row and lie in [0, S) when it selected along S keys: scattering them marks exactly k keys, so the
     op can read them as a set. Anything else could repeat an index (the dense mask counts it once, a sparse
     sum twice) or leave the range."""
-    n = index
-    while op_name(n) in ("to", "identity") and getattr(infer_value(n), "dtype", None) in _INDEX_DTYPES and (
-            shape_of(n.args[0]) is None or same_shape(shape_of(n.args[0]), shape_of(n))):
-        n = n.args[0]
+    n, crossed = index, []
+    while True:
+        while op_name(n) in ("to", "identity") and getattr(infer_value(n), "dtype", None) in _INDEX_DTYPES and (
+                shape_of(n.args[0]) is None or same_shape(shape_of(n.args[0]), shape_of(n))):
+            n = n.args[0]
+            if n.graph is not index.graph:
+                crossed.append(n)
+        up = links.across(n) if links is not None else None
+        if up is None:
+            break
+        n = up
+        crossed.append(n)
+    sel, k = _selection(n, index, S, site_node)
+    return sel, k, tuple(crossed)
+
+
+def _selection(n: fx.Node, index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object]:
+    """The selection whose indices ``n`` is, and its k, the picks per row of the scattered ``index`` (Reject if
+    it is none)."""
     why = ("its indices are not a top-k's (a topk, sort or hyscale.select output, through int casts), so they may "
            "repeat within a row or leave [0, S): a repeated key counts once in the dense mask but twice in a sparse "
            "sum")
@@ -230,7 +250,13 @@ def index_origin(index: fx.Node, S, site_node: fx.Node) -> tuple[fx.Node, object
             if isinstance(dim, int) and shape(x) is not None and normalize_dim(dim, len(shape(x))) == len(shape(x)) - 1:
                 _check_range(shape(x)[-1], S, site_node)
                 return inner, _picks_per_row(index, site_node)
-    what = f"the graph input `{input_name(n)}`" if isinstance(n, fx.Node) and n.op == "placeholder" else describe(n)
+    if isinstance(n, fx.Node) and n.op == "placeholder" and "grapharg" not in n.meta:
+        what = (f"`{n.target}`, an input of a region the pass could not follow to its top-k (a checkpoint body "
+                "called more than once, or another higher-order op's body)")
+    elif isinstance(n, fx.Node) and n.op == "placeholder":
+        what = f"the graph input `{input_name(n)}`"
+    else:
+        what = describe(n)
     raise Reject(f"the index mask is scattered from {what}: {why}", site_node)
 
 
