@@ -289,3 +289,31 @@ def test_absorbed_mla_op_at_the_layer_sizes(monkeypatch, keep):
         assert rel(a, r) <= most * rel(b, r) * 1.05, (name, rel(a, r), rel(b, r))
     kept_bytes = T * H * (Dc + Dr) * 2 + (0 if keep else T * H * Dc * 2)  # q' (and o'), their gradients whole too
     assert peaks[0] < peaks[1] - kept_bytes, (peaks, kept_bytes)
+
+
+def test_hf_glm_shared_layers_under_gradient_checkpointing_on_the_kernels():
+    """HF GLM-MoE-DSA (layers F, S, F), SDPA, padded, each layer checkpointed as HF's gradient checkpointing does:
+    the shared layer's attention reads the F layer's picks across two checkpoint regions; all three attentions
+    are rewritten and the training step's logits and gradients are eager's (fp32: the kernels' MMAs in ieee or
+    tf32x3)."""
+    from models.hf import tiny_glm_moe_dsa
+
+    from hyscale_compile.passes import report
+
+    model, inputs = tiny_glm_moe_dsa(indexer_pattern="FSF", attn_implementation="sdpa", padding=True)
+    model, inputs = model.cuda().train(), {n: t.cuda() for n, t in inputs.items()}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+
+    def step(m):
+        model.zero_grad()
+        out = m(**inputs, labels=labels, use_cache=False)
+        out.loss.backward()
+        return [out.logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with report.collect() as reports:
+        got = step(torch.compile(model, backend="hyscale", options={"attention": "always"}))
+    want = step(model)
+    sites = [r for r in reports if r.kind == "attention"]
+    assert len(sites) == 3 and all(r.decision == "rewritten" for r in sites), [(r.decision, r.reason) for r in sites]
+    close(got, want, tol=1e-3)
