@@ -33,6 +33,11 @@ memory is recorded as "OOM at N GiB". Inputs (``--inputs``):
     python benchmarks/model.py --contexts 65536 --heads 128 --modes hyscale_sparse --profile  # where a step goes
     python benchmarks/model.py --inputs cache        # the cached rows of earlier commits
     python benchmarks/model.py --smoke               # tiny config, any device, prints only
+
+``--model glm_shared`` runs ``GlmMoeDsaForCausalLM`` instead, with the same layer sizes and two decoder layers: a
+full one (its own indexer) and a shared one (it reuses the first layer's indices), each checkpointed by HF's
+gradient checkpointing, as GLM-5 trains: the shared layer's attention is in another checkpoint region than the
+top-k it reads (-> results/model_glm.json).
 """
 
 from __future__ import annotations
@@ -69,17 +74,29 @@ SMOKE = dict(hidden_size=64, intermediate_size=96, q_lora_rank=32, kv_lora_rank=
 INPUTS = ("training", "cache")
 
 
-def build(heads: int, T: int, smoke: bool, device: str, dtype: torch.dtype, inputs: str = "training"):
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+MODELS = ("deepseek_v32", "glm_shared")
+
+
+def build(heads: int, T: int, smoke: bool, device: str, dtype: torch.dtype, inputs: str = "training",
+          model_name: str = "deepseek_v32"):
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     sizes = SMOKE if smoke else LAYER
-    config = DeepseekV32Config(**sizes, num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=heads,
-                               first_k_dense_replace=1, max_position_embeddings=max(T, 4096),
-                               attn_implementation="sdpa", attention_dropout=0.0)
+    common = dict(num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(T, 4096),
+                  attn_implementation="sdpa", attention_dropout=0.0)
+    if model_name == "glm_shared":
+        config = GlmMoeDsaConfig(**sizes, **common, num_hidden_layers=2, first_k_dense_replace=2,
+                                 index_topk_pattern="FS")
+        model_cls = GlmMoeDsaForCausalLM
+    else:
+        config = DeepseekV32Config(**sizes, **common, num_hidden_layers=1, first_k_dense_replace=1)
+        model_cls = DeepseekV32ForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        model = DeepseekV32ForCausalLM(config)
+        model = model_cls(config)
     model = model.to(dtype).train()
+    if model_name == "glm_shared":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, T), generator=g).to(device)
     if inputs == "cache":
@@ -135,7 +152,7 @@ def top_kernels(fn, inputs, device: str, n: int = 12) -> list[tuple[str, float]]
 
 
 def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str, dtype,
-             profile: bool = False, inputs_kind: str = "training") -> dict:
+             profile: bool = False, inputs_kind: str = "training", model_name: str = "deepseek_v32") -> dict:
     """{"ms": ms per step or "OOM at N GiB" / "error: ...", "peak": bytes or None, "loss", "counters"}."""
     from torch._dynamo.utils import counters
 
@@ -146,7 +163,7 @@ def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     try:
-        model, inputs = build(heads, T, smoke, device, dtype, inputs_kind)
+        model, inputs = build(heads, T, smoke, device, dtype, inputs_kind, model_name)
         fn = make_fn(mode, model, smoke)
         with report.collect() as sites:
             ms, loss = time_steps(fn, inputs, iters, device)
@@ -166,7 +183,7 @@ def run_mode(mode: str, heads: int, T: int, iters: int, smoke: bool, device: str
         torch._dynamo.reset()
 
 
-def write_results(path: str, device: str, rows: list[dict]) -> None:
+def write_results(path: str, device: str, rows: list[dict], model_name: str = "deepseek_v32") -> None:
     """results/*.json as every benchmark here writes it: device, versions, date, commit, rows."""
     import transformers
 
@@ -175,7 +192,7 @@ def write_results(path: str, device: str, rows: list[dict]) -> None:
         git, capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     doc = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
            "transformers": transformers.__version__, "date": datetime.date.today().isoformat(), "commit": commit,
-           "layer": LAYER, "rows": rows}
+           "model": model_name, "layer": LAYER, "rows": rows}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2) + "\n")
 
@@ -191,8 +208,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also the kernels of one more step with the most "
                                                                  "device time, per mode (row key MODE_top_kernels)")
     parser.add_argument("--inputs", choices=INPUTS, default="training", help="the step's inputs (module docstring)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "model.json"))
+    parser.add_argument("--model", choices=MODELS, default="deepseek_v32", help="module docstring")
+    parser.add_argument("--out", default=None, help="default results/model.json (model_glm.json for glm_shared)")
     args = parser.parse_args()
+    out = args.out or str(Path(__file__).parent / "results" / ("model_glm.json" if args.model == "glm_shared"
+                                                               else "model.json"))
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -211,7 +231,8 @@ def main() -> None:
             # None: not run
             row = {"T": T, "H": H, "k": k, "inputs": args.inputs, **{key: None for key in MODE_KEYS.values()}}
             for mode in modes:
-                got = run_mode(mode, H, T, args.iters, args.smoke, device, dtype, args.profile, args.inputs)
+                got = run_mode(mode, H, T, args.iters, args.smoke, device, dtype, args.profile, args.inputs,
+                               args.model)
                 row[MODE_KEYS[mode]] = got["ms"]
                 row[f"{mode}_peak_bytes"] = got["peak"]
                 row[f"{mode}_loss"] = got["loss"]
@@ -224,7 +245,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if not args.smoke:
-                write_results(args.out, device, rows)
+                write_results(out, device, rows, args.model)
 
 
 if __name__ == "__main__":
