@@ -325,6 +325,8 @@ def mutates(n: fx.Node) -> bool:
         return True
     if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator"):
         return False
+    if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+        return _region_writes(n) != []
     if isinstance(n.target, torch._ops.OpOverload):
         return n.target._schema.is_mutable
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
@@ -386,12 +388,46 @@ def written_by(n: fx.Node) -> list[fx.Node] | None:
     flagged = _written_by_flag(n)
     if flagged:
         return flagged
+    if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+        return _region_writes(n)
     if isinstance(n.target, torch._ops.OpOverload):
         return list(n.all_input_nodes)
     first = n.args[0] if n.args else next(iter(n.kwargs.values()), None)
     if isinstance(first, (list, tuple)):
         return [x for x in first if isinstance(x, fx.Node)]
     return [first] if isinstance(first, fx.Node) else None
+
+
+def _region_writes(n: fx.Node) -> list[fx.Node]:
+    """The operands a higher-order op's call (a checkpointed region, ``wrap``, ``invoke_subgraph`` ...) may write
+    in place: Dynamo keeps a write of a region's input inside its body (``i[..., 0] = j`` on an operand of
+    ``checkpoint(fn, i, ...)``), so the call writes the caller's tensor. [] where no body writes any of its inputs
+    (or a tensor of the graph that could be one, ``Aliases``); every operand where one may, or where a body is
+    not found."""
+    operands = [x for x in n.all_input_nodes if x.op != "get_attr" or not _is_graph_module(n, x)]
+    bodies = [_attr_of(n, x) for x in n.all_input_nodes if x.op == "get_attr" and _is_graph_module(n, x)]
+    if not bodies:
+        return operands
+    for body in bodies:
+        aliases = Aliases(body.graph)
+        inputs = [p for p in body.graph.nodes if p.op in ("placeholder", "get_attr")]
+        for m in body.graph.nodes:
+            if mutates(m):
+                targets = written_by(m)
+                if targets is None or any(aliases.may_alias(t, p) for t in targets for p in inputs):
+                    return operands
+    return []
+
+
+def _attr_of(n: fx.Node, getter: fx.Node):
+    mod = n.graph.owning_module
+    for part in str(getter.target).split("."):
+        mod = getattr(mod, part, None)
+    return mod
+
+
+def _is_graph_module(n: fx.Node, getter: fx.Node) -> bool:
+    return isinstance(_attr_of(n, getter), fx.GraphModule)
 
 
 def written_in_place(node: fx.Node) -> bool:
