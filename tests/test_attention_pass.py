@@ -91,6 +91,16 @@ def test_hf_training_gradients_equal_eager(name, attn, compiler):
     model, inputs = _hf_model(name, attn_implementation=attn, padding=True)
     _well_posed(model, inputs)
     model.train()
+    step = hf_training_step(model, inputs)
+    want = step(model)
+    got = step(torch.compile(model, backend="hyscale", options={"compiler": compiler}))
+    assert counters["hyscale"]["attention_rewritten"] == len(model.model.layers), dict(counters["hyscale"])
+    assert_step_equal(got, want)
+
+
+def hf_training_step(model, inputs):
+    """One step as HF trains: its own loss over the labels of the unpadded tokens, backward; the step of a model
+    (compiled or not) returns (logits, the parameters' gradients)."""
     labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
 
     def step(m):
@@ -99,9 +109,13 @@ def test_hf_training_gradients_equal_eager(name, attn, compiler):
         out.loss.backward()
         return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    expected, expected_grads = step(model)
-    actual, grads = step(torch.compile(model, backend="hyscale", options={"compiler": compiler}))
-    assert counters["hyscale"]["attention_rewritten"] == len(model.model.layers), dict(counters["hyscale"])
+    return step
+
+
+def assert_step_equal(got, want):
+    """Logits and every parameter's gradient of two training steps equal (eager's tolerances of switching SDPA
+    backends)."""
+    (actual, grads), (expected, expected_grads) = got, want
     torch.testing.assert_close(actual, expected, **LOGITS_TOL)
     assert grads.keys() == expected_grads.keys()
     for n in grads:

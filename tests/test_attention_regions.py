@@ -167,33 +167,23 @@ def test_hf_glm_shared_layers_under_gradient_checkpointing(attn):
     gradient checkpointing does: with SDPA all three attentions rewritten, the step's logits and gradients eager's.
     Eager attention adds a float causal / padding mask built outside the regions, which the pass does not follow
     into them: left alone, saying so."""
-    from test_attention_pass import GRAD_TOL, LOGITS_TOL, _hf_model, _well_posed
+    from test_attention_pass import _hf_model, _well_posed, assert_step_equal, hf_training_step
 
     model, inputs = _hf_model("glm_moe_dsa", attn_implementation=attn, padding=True)
     _well_posed(model, inputs)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     inputs["use_cache"] = False
-    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
-
-    def step(m):
-        model.zero_grad()
-        out = m(**inputs, labels=labels)
-        out.loss.backward()
-        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    expected, expected_grads = step(model)
+    step = hf_training_step(model, inputs)
+    want = step(model)
     torch._dynamo.reset()
     counters.clear()
     with report.collect() as reports:
-        actual, grads = step(torch.compile(model, backend="hyscale", options={"compiler": "eager"}))
+        got = step(torch.compile(model, backend="hyscale", options={"compiler": "eager"}))
     sites = [r for r in reports if r.kind == "attention"]
     assert len(sites) == len(model.model.layers), [(r.decision, r.reason) for r in reports]
     if attn == "sdpa":
         assert all(r.decision == "rewritten" for r in sites), [(r.decision, r.reason) for r in sites]
     else:
         assert all(r.decision == "rejected" and "checkpointed region" in r.reason for r in sites), sites
-    torch.testing.assert_close(actual, expected, **LOGITS_TOL)
-    assert grads.keys() == expected_grads.keys()
-    for n in grads:
-        torch.testing.assert_close(grads[n], expected_grads[n], **GRAD_TOL, msg=lambda m, n=n: f"{n}: {m}")
+    assert_step_equal(got, want)
