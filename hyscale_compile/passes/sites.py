@@ -48,7 +48,10 @@ def describe(node: fx.Node) -> str:
     """How a node reads in a reason: its function or method name, or "the graph output"."""
     if node.op == "output":
         return "the graph output"
-    return getattr(node.target, "__name__", str(node.target))
+    name = getattr(node.target, "__name__", str(node.target))
+    if name == "tag_activation_checkpoint":  # a region's body writes its inputs in the caller's tensors
+        return "a checkpointed region (torch.utils.checkpoint)"
+    return name
 
 
 def _input_and_dim(node: fx.Node) -> tuple[fx.Node, int, int]:
