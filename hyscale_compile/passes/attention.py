@@ -30,7 +30,7 @@ from . import attention_rewrite as rewrite_
 from . import attention_sites as sites_
 from . import debug, inplace, regions, selection
 from .attention_mla import NotLatent, match
-from .graph_ops import Aliases, arg, dtype, mutates, op_name, shape, source_line, value, written_by
+from .graph_ops import Aliases, arg, dtype, first_write, mutates, op_name, shape, source_line, value, written_by
 from .index_expr import Reject
 from .report import SiteReport, human_bytes, record, symbolic_bytes
 from .sites import describe
@@ -257,15 +257,11 @@ def check_no_mutation_across(site: sites_.Site) -> None:
     site's graph, where only writes before the attention count: a caller's write after the region's call would
     change what the backward's recomputation of the region reads."""
     for x in site.crossed:
-        aliases = Aliases(x.graph)
-        for n in x.graph.nodes:
-            if not mutates(n):
-                continue
-            targets = written_by(n)
-            if targets is None or any(aliases.may_alias(t, x) for t in targets):
-                raise Reject(f"{describe(n)} at {source_line(n)} may change the indices ({x.name}) on their way from "
-                             "the top-k into the checkpointed region of the attention, where the op would read them "
-                             "as the top-k made them", site.scatter)
+        n = first_write(x.graph, [x])
+        if n is not None:
+            raise Reject(f"{describe(n)} at {source_line(n)} may change the indices ({x.name}) on their way from the "
+                         "top-k into the checkpointed region of the attention, where the op would read them as the "
+                         "top-k made them", site.scatter)
 
 
 def latent_write(site: sites_.Site, latent) -> str | None:

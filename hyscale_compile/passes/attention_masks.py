@@ -36,6 +36,7 @@ from .dim_labels import VALUE_VIEWS, operand_labels, view_input_labels
 from .graph_ops import arg, dtype, is_one, op_name, same_size, shape, source_line
 from .index_expr import Leaf, Reject
 from .legality import requires_grad
+from .regions import region_input
 from .report import input_name
 from .sites import describe
 
@@ -276,7 +277,7 @@ def _unreadable(node: fx.Node) -> str:
                 "input (floats are under dynamic=True), whose value is not known when the graph is compiled, so "
                 "whether it hides a key cannot be checked; write the constant in the model (torch.finfo(dtype).min, "
                 "float('-inf')) or compile without dynamic=True")
-    if node.op == "placeholder" and "grapharg" not in node.meta:  # a checkpointed region's input
+    if region_input(node):
         return (f"the attention mask adds `{node.target}`, a float tensor given to the checkpointed region the "
                 "attention is in, which the pass does not follow out of the region to read it as visible / hidden "
                 "(it follows only the indices): build the mask inside the region, or use SDPA attention "

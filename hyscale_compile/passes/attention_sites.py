@@ -22,7 +22,7 @@ from torch import fx
 
 from .graph_ops import arg, dtype, infer_value, is_one, normalize_dim, op_name, same_size, shape, source_line
 from .index_expr import Reject
-from .regions import Links
+from .regions import Links, region_input
 from .report import input_name
 from .sites import describe
 
@@ -250,7 +250,7 @@ def _selection(n: fx.Node, index: fx.Node, S, site_node: fx.Node) -> tuple[fx.No
             if isinstance(dim, int) and shape(x) is not None and normalize_dim(dim, len(shape(x))) == len(shape(x)) - 1:
                 _check_range(shape(x)[-1], S, site_node)
                 return inner, _picks_per_row(index, site_node)
-    if isinstance(n, fx.Node) and n.op == "placeholder" and "grapharg" not in n.meta:
+    if isinstance(n, fx.Node) and region_input(n):
         what = (f"`{n.target}`, an input of a region the pass could not follow to its top-k (a checkpoint body "
                 "called more than once, or another higher-order op's body)")
     elif isinstance(n, fx.Node) and n.op == "placeholder":

@@ -404,30 +404,36 @@ def _region_writes(n: fx.Node) -> list[fx.Node]:
     ``checkpoint(fn, i, ...)``), so the call writes the caller's tensor. [] where no body writes any of its inputs
     (or a tensor of the graph that could be one, ``Aliases``); every operand where one may, or where a body is
     not found."""
-    operands = [x for x in n.all_input_nodes if x.op != "get_attr" or not _is_graph_module(n, x)]
-    bodies = [_attr_of(n, x) for x in n.all_input_nodes if x.op == "get_attr" and _is_graph_module(n, x)]
+    bodies = {x: attr_of(x) for x in n.all_input_nodes if x.op == "get_attr"}
+    bodies = {x: b for x, b in bodies.items() if isinstance(b, fx.GraphModule)}
+    operands = [x for x in n.all_input_nodes if x not in bodies]
     if not bodies:
         return operands
-    for body in bodies:
-        aliases = Aliases(body.graph)
+    for body in bodies.values():
         inputs = [p for p in body.graph.nodes if p.op in ("placeholder", "get_attr")]
-        for m in body.graph.nodes:
-            if mutates(m):
-                targets = written_by(m)
-                if targets is None or any(aliases.may_alias(t, p) for t in targets for p in inputs):
-                    return operands
+        if first_write(body.graph, inputs) is not None:
+            return operands
     return []
 
 
-def _attr_of(n: fx.Node, getter: fx.Node):
-    mod = n.graph.owning_module
+def first_write(graph: fx.Graph, tensors: list[fx.Node]) -> fx.Node | None:
+    """The first call of ``graph`` that may write in place one of ``tensors`` or a tensor sharing its memory
+    (``Aliases``), or None."""
+    aliases = Aliases(graph)
+    for n in graph.nodes:
+        if mutates(n):
+            targets = written_by(n)
+            if targets is None or any(aliases.may_alias(t, x) for t in targets for x in tensors):
+                return n
+    return None
+
+
+def attr_of(getter: fx.Node):
+    """What a ``get_attr`` node reads from its graph's module (a subgraph module, a buffer), or None."""
+    mod = getter.graph.owning_module
     for part in str(getter.target).split("."):
         mod = getattr(mod, part, None)
     return mod
-
-
-def _is_graph_module(n: fx.Node, getter: fx.Node) -> bool:
-    return isinstance(_attr_of(n, getter), fx.GraphModule)
 
 
 def written_in_place(node: fx.Node) -> bool:

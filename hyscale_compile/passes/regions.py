@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from .graph_ops import attr_of
+
 
 def _checkpoint_op():
     from torch._higher_order_ops.wrap import tag_activation_checkpoint
@@ -70,7 +72,7 @@ def links(gm: fx.GraphModule) -> Links:
             if n.op != "call_function" or n.target is not op or not n.args or not isinstance(n.args[0], fx.Node):
                 continue
             getter = n.args[0]
-            body = _attr(mod, getter.target) if getter.op == "get_attr" else None
+            body = attr_of(getter) if getter.op == "get_attr" else None
             if isinstance(body, fx.GraphModule):
                 uses.setdefault(body.graph, []).append(n)
                 found.bodies[n] = body
@@ -83,9 +85,7 @@ def links(gm: fx.GraphModule) -> Links:
     return found
 
 
-def _attr(mod: fx.GraphModule, target: str):
-    for part in target.split("."):
-        mod = getattr(mod, part, None)
-        if mod is None:
-            return None
-    return mod
+def region_input(node: fx.Node) -> bool:
+    """Whether ``node`` is an input of a higher-order op's body (a checkpointed region's), not one of the
+    compiled function's own (Dynamo records those with their source)."""
+    return node.op == "placeholder" and "grapharg" not in node.meta
