@@ -59,16 +59,9 @@ def _old_segment_kernel(contrib_ptr, keys_ptr, ends_ptr, acc_ptr, n, n_keys, W, 
 
 
 def _old_pick_order(idx, t0, S, picks):
-    B, R, K = idx.shape
-    n_keys = B * S
-    kdt = torch.int32 if n_keys < 2**31 - 1 else torch.int64
-    base = (torch.arange(B, device=idx.device, dtype=kdt) * S).view(B, 1, 1)
-    keys = torch.where(picks.kept(idx, t0, S), idx.to(kdt) + base, n_keys).reshape(-1)
-    sorted_keys, perm = torch.sort(keys, stable=True)
-    small = keys.numel() < 2**31
-    place = torch.empty_like(perm, dtype=torch.int32 if small else torch.int64)
-    place.scatter_(0, perm, torch.arange(keys.numel(), device=idx.device, dtype=place.dtype))
-    ends = torch.searchsorted(sorted_keys, sorted_keys, right=True, out_int32=small)
+    """The previous pick_order: the same sort, then each sorted position's run end instead of each key's bounds."""
+    place, sorted_keys = backward.sorted_picks(idx, t0, S, picks)
+    ends = torch.searchsorted(sorted_keys, sorted_keys, right=True, out_int32=place.dtype == torch.int32)
     return place, (sorted_keys, ends)
 
 

@@ -415,6 +415,16 @@ def pick_order(idx: Tensor, t0: int, S: int, picks: Picks) -> tuple[Tensor, Tens
     """For the picks idx [B, R, K] of rows t0..: (each pick's place in the stable order by key b * S + s,
     each key's run of sorted places, [bounds[key], bounds[key + 1]), as B * S + 1 bounds); dropped picks get
     key B * S, after every run."""
+    place, sorted_keys = sorted_picks(idx, t0, S, picks)
+    n_keys = idx.shape[0] * S
+    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=idx.device, dtype=sorted_keys.dtype),
+                                out_int32=place.dtype == torch.int32)
+    return place, bounds
+
+
+def sorted_picks(idx: Tensor, t0: int, S: int, picks: Picks) -> tuple[Tensor, Tensor]:
+    """(each pick's place in the stable order by key b * S + s, the sorted keys); dropped picks get key B * S.
+    Places are int32 where the picks' count allows, keys int32 where B * S does."""
     B, R, K = idx.shape
     n_keys = B * S
     kdt = torch.int32 if n_keys < 2**31 - 1 else torch.int64
@@ -424,9 +434,7 @@ def pick_order(idx: Tensor, t0: int, S: int, picks: Picks) -> tuple[Tensor, Tens
     small = keys.numel() < 2**31
     place = torch.empty_like(perm, dtype=torch.int32 if small else torch.int64)
     place.scatter_(0, perm, torch.arange(keys.numel(), device=idx.device, dtype=place.dtype))
-    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=idx.device, dtype=kdt),
-                                out_int32=small)
-    return place, bounds
+    return place, sorted_keys
 
 
 def _row_major_rows(x: Tensor, t0: int, R: int) -> tuple[Tensor, int]:
