@@ -133,8 +133,9 @@ def _grads(fn, inputs):
     return out, torch.autograd.grad(loss, inputs, allow_unused=True)
 
 
-@pytest.mark.parametrize("model", FORMS, ids=lambda f: f.__name__)
-def test_form_is_rewritten_and_equal_to_eager(model):
+def _explained_eager_and_compiled(model):
+    """explain's decision (asserted: rewritten, without gradients), then eager's (ties by position) and the
+    compiled model's outputs and input gradients, the counters cleared before the compile."""
     report = hyscale_compile.explain(model, *_qkw())
     assert [s.decision for s in report.sites] == ["rewritten"], str(report)
     with ties_by_position():
@@ -142,6 +143,12 @@ def test_form_is_rewritten_and_equal_to_eager(model):
     counters.clear()
     got, got_g = _grads(torch.compile(model, backend="hyscale", options={"compiler": "aot_eager"}),
                         [x.requires_grad_() for x in _qkw()])
+    return (want, want_g), (got, got_g)
+
+
+@pytest.mark.parametrize("model", FORMS, ids=lambda f: f.__name__)
+def test_form_is_rewritten_and_equal_to_eager(model):
+    (want, want_g), (got, got_g) = _explained_eager_and_compiled(model)
     assert counters["hyscale"]["selection_rewritten"] == 1, "explain and the compile decided differently"
     for a, b in zip(got, want, strict=True):
         if a.is_floating_point():
@@ -156,13 +163,7 @@ def test_form_is_rewritten_and_equal_to_eager(model):
 
 @pytest.mark.parametrize("model", CLAMP_FORMS, ids=lambda f: f.__name__)
 def test_clamp_form_is_rewritten_without_gradients_and_left_alone_with_them(model):
-    report = hyscale_compile.explain(model, *_qkw())
-    assert [s.decision for s in report.sites] == ["rewritten"], str(report)
-    with ties_by_position():
-        want, want_g = _grads(model, [x.requires_grad_() for x in _qkw()])
-    counters.clear()
-    got, got_g = _grads(torch.compile(model, backend="hyscale", options={"compiler": "aot_eager"}),
-                        [x.requires_grad_() for x in _qkw()])
+    (want, want_g), (got, got_g) = _explained_eager_and_compiled(model)
     assert counters["hyscale"]["selection_rejected"] == 1 and not counters["hyscale"]["selection_rewritten"]
     for a, b in zip([*got, *got_g], [*want, *want_g], strict=True):
         assert (a is None) == (b is None)
