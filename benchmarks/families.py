@@ -13,15 +13,18 @@ row of results/families.json is one family at one shape, timed in the same run a
 
 Shapes: the prefill shapes (T = 4096, S = 131072, H in {16, 64}) for every family; decode and small T
 (T in {1, 4, 16, 64, 256} x S in {32768, 131072, 1048576} x H in {16, 64}) for random; a batch of 8
-sequences of different lengths (a per-sequence query offset). k = 2048, D = 128, bf16, causal.
+sequences of different lengths (a per-sequence query offset); the tie-heavy families at two decode shapes
+(T = 1 x S = 32768, T = 16 x S = 131072, H = 16). k = 2048, D = 128, bf16, causal.
 
 Columns: hyscale_table_route (whether the plan takes the table route, ``plan.Plan.table``: the call writes its
 composite table and runs torch.topk, as small calls do, instead of the pipeline), hyscale_ms
 (``hyscale_compile.indexer_topk``: the operator as a compiled model calls it, host work included),
 hyscale_graph_ms (the same call replayed from a CUDA graph: what a decode engine runs; a captured call has its
-own route rule, hyscale_graph_table_route), hyscale_pipeline_ms / hyscale_pipeline_graph_ms and hyscale_table_ms /
-hyscale_table_graph_ms (at T <= 256: each route forced, eager and replayed, so that the route rules are checked
-where they decide),
+own route rule, hyscale_graph_table_route), hyscale_pipeline_ms / hyscale_pipeline_graph_ms, hyscale_table_ms /
+hyscale_table_graph_ms (the table ranked by torch.topk) and hyscale_table_own_ms / hyscale_table_own_graph_ms (by
+our ranker, table_rank.py) (at T <= 256: each route forced, eager and replayed, so that the route rules are
+checked where they decide; hyscale_own_rank is the plan's ranker, routes_equal whether all three gave the same
+bits),
 hyscale_unsorted_ms (sorted=False, what an order-free site runs), table_topk_ms (our fused score kernel
 writing the fp32 table, then torch.topk), peer_topk_ms / peer (the table, then the fastest of FlashInfer's
 radix top-k and CUB's DeviceBatchedTopK, benchmarks/peers), rows_recovered / fallbacks (the kernels'
@@ -52,6 +55,7 @@ from hyscale_compile.runtime.reference import Visibility  # noqa: E402
 FAMILIES = ("random", "all_equal", "relu_zero_majority", "dup_keys", "sink_recency", "heavy_tail", "per_head")
 PREFILL = [(4096, 131072, 16), (4096, 131072, 64)]
 DECODE_T, DECODE_S, DECODE_H = (1, 4, 16, 64, 256), (32768, 131072, 1048576), (16, 64)
+DECODE_FAMILIES = ("all_equal", "relu_zero_majority", "dup_keys")
 K, D = 2048, 128
 
 
@@ -162,14 +166,18 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
         row["hyscale_unsorted_ms"] = round(median_ms(lambda: hy(False)), 4)
     if T <= 256:  # each route forced, eager and replayed: the measurements behind the route rules
         row["hyscale_graph_table_route"] = plan.table_route(B * T, S, captured=True)
-        table_max = plan.TABLE_MAX_BYTES
-        for route, forced in (("pipeline", 0), ("table", 1 << 62)):
-            plan.TABLE_MAX_BYTES = forced
+        row["hyscale_own_rank"] = plan.own_ranker(k, S)
+        table_max, rank_max = plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS
+        got = {}
+        for route, forced, ranker in (("pipeline", 0, 0), ("table", 1 << 62, 0), ("table_own", 1 << 62, 1 << 62)):
+            plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS = forced, ranker
             try:
+                got[route] = hy()
                 row[f"hyscale_{route}_ms"] = round(median_ms(hy), 4)
                 row[f"hyscale_{route}_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, f"{route} graph"))
             finally:
-                plan.TABLE_MAX_BYTES = table_max
+                plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS = table_max, rank_max
+        row["routes_equal"] = all(_same(got["pipeline"], got[r]) for r in ("table", "table_own"))
     row["table_topk_ms"] = round(median_ms(lambda: torch.topk(tab().view(B, T, S), k, dim=-1)), 4)
     if peers is not None and T >= 4096:
         best = None
@@ -181,6 +189,11 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
             row["peer"], row["peer_topk_ms"] = best[0], round(best[1], 4)
     row["hyscale_over_table"] = round(row["hyscale_ms"] / row["table_topk_ms"], 3)
     return row
+
+
+def _same(a, b) -> bool:
+    """Whether two selections are the same bits (values and positions)."""
+    return torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)) and torch.equal(a[1], b[1])
 
 
 def _guard(fn, row: dict, what: str):
@@ -209,6 +222,9 @@ def shapes(smoke: bool, rows: str = "all"):
             for T in DECODE_T:
                 for H in DECODE_H:
                     yield "random", 1, T, S, H
+        for family in DECODE_FAMILIES:  # tie-heavy rows where the table route ranks them
+            for T, S in ((1, 32768), (16, 131072)):
+                yield family, 1, T, S, 16
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from .env import interpreting
 from .filter import filter_rows
 from .final_select import select_composites, select_rows, select_rows_reference
 from .final_sort import decode, sort_width
-from .plan import DEFAULT, Plan, Tuning, make_plan, table_plan, table_route
+from .plan import DEFAULT, Plan, Tuning, make_plan, own_ranker, table_plan, table_route
 from .problem import Problem, capturing
 from .recover import recover
 from .reference import Visibility
@@ -68,7 +68,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = Problem(q, kx, weights, scale, relu, vis, fill, tuning.tile)
     table = table_route(pb.rows, pb.S, tuning, captured=capturing(pb.device))
-    plan = table_plan(k) if table else make_plan(pb, k, tuning)
+    plan = table_plan(k, own_ranker(k, pb.S, tuning)) if table else make_plan(pb, k, tuning)
     if plan.table:  # a small problem: its composite table and torch.topk (table_path.py)
         return table_path.select(pb, plan, sorted)
     buf, used = candidates(pb, plan)

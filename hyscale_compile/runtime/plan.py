@@ -15,6 +15,7 @@ import torch
 from .env import interpreting
 from .filter_append import APPEND_ATOMIC, APPEND_PTX, APPEND_RESERVED
 from .final_pivots import lists_fit_rows
+from .final_sort import SORT_MAX
 from .problem import Problem, capturing, cdiv
 from .reference import Visibility
 from .score_tile import TileConfig
@@ -32,6 +33,11 @@ TABLE_MAX_BYTES = 32 << 20
 # captured into a CUDA graph pays no host work on replay, and its graph would keep the table in its pool for
 # good: there the device-time rule stands.
 EAGER_TABLE_FACTOR = 4
+# The table route ranks its table with its own one-launch ranker (table_rank.py) instead of torch.topk and the
+# values launch up to this many keys a row: on a decode step torch.topk over int64 is some 34 kernels of host
+# work, the ranker one launch; but one program reads a whole row, so past this length torch.topk's passes, which
+# spread a row over many SMs, are faster on the device (NOTES-selection.md, "Defaults ...": table ranker).
+RANK_MAX_KEYS = 131072
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Tuning:
     programs: int | None = None  # programs to aim for per launch
     sample_split: int | None = None  # sampling programs per query block (default: one per two sample tiles)
     table: bool | None = None  # True: the table route, False: the pipeline (default: table_route's rule)
+    own_rank: bool | None = None  # the table route's ranker: True ours, False torch.topk (default: own_ranker's rule)
 
 
 DEFAULT = Tuning()
@@ -68,6 +75,7 @@ class Plan:
     filter_options: dict  # the filter's launch options beyond its tile's
     row_lists: bool  # the final select keeps its lists in the rows' unused slots
     table: bool = False  # the table route (table_path.py) instead of the pipeline: the fields above go unused
+    own_rank: bool = False  # on the table route, our one-launch ranker (table_rank.py) instead of torch.topk
 
     @property
     def width(self) -> int:
@@ -98,12 +106,21 @@ def make_plan(pb: Problem, k: int, tuning: Tuning = DEFAULT) -> Plan:
 
 
 @functools.lru_cache(maxsize=64)  # Plans are frozen; a decode step asks for the same one every call
-def table_plan(k: int) -> Plan:
-    """The plan of a call that takes the table route, which reads k alone: what ``select`` runs (make_plan's
-    pipeline sizes and launch choices would be host work for nothing on a decode step; benchmarks and tests
-    that run pipeline stages on such sizes still get them from make_plan)."""
+def table_plan(k: int, own_rank: bool = False) -> Plan:
+    """The plan of a call that takes the table route, which reads k and the ranker alone: what ``select`` runs
+    (make_plan's pipeline sizes and launch choices would be host work for nothing on a decode step; benchmarks
+    and tests that run pipeline stages on such sizes still get them from make_plan)."""
     return Plan(k=k, target=0, capacity=0, samples=0, sampled=False, programs=0, sample_split=0, filter_split=0,
-                append=0, asm=False, filter_options={}, row_lists=False, table=True)
+                append=0, asm=False, filter_options={}, row_lists=False, table=True, own_rank=own_rank)
+
+
+def own_ranker(k: int, S: int, tuning: Tuning = DEFAULT) -> bool:
+    """Whether the table route ranks with table_rank.py (rows of at most RANK_MAX_KEYS keys, winners that its
+    in-register sort holds) instead of torch.topk. Not under the interpreter by default, where its sort of a
+    row's sample is slow: tests there ask for it with a tuning's ``own_rank``, as they do for either route."""
+    if tuning.own_rank is not None:
+        return tuning.own_rank
+    return S <= RANK_MAX_KEYS and k <= SORT_MAX and not interpreting()
 
 
 def table_route(rows: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool) -> bool:

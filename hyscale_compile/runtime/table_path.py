@@ -1,4 +1,4 @@
-"""HyTopK's table route for small problems: write the composite table, then ``torch.topk`` over it.
+"""HyTopK's table route for small problems: write the composite table, then rank it (``torch.topk``, or ours).
 
 The pipeline (sample, threshold, filter, ties, check, recovery, final select, sort) never writes the score
 table, which is what matters where the table is large; but its launches and their host work are a fixed cost
@@ -15,6 +15,10 @@ each entry's unique int64 ``composite`` (order key high, 2**32 - 1 - position lo
 the final select does, and torch.topk's indices are the positions (the table's columns): the result is the
 pipeline's, bit for bit, fill values and positions of short rows included (every position competes with its
 value; of the masked ones, ranked by position, the lowest win, which are the ones the pipeline's extras hold).
+
+Where a row is short enough for one program (``plan.own_ranker``), ``table_rank.rank`` ranks the table instead
+of torch.topk and the values launch: one launch in place of torch.topk's some 34 over int64, with the same bits
+(the top k of unique composites, sorted, decoded as the final select decodes them).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .final_sort import values
 from .plan import Plan
 from .problem import Problem, cdiv
 from .score_tile import block_rows, composite, order_key, tile_values
+from .table_rank import rank
 
 
 @triton.jit
@@ -73,6 +78,9 @@ def composites(pb: Problem) -> Tensor:
 
 def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor]:
     """(values fp32 [B, T, k], positions int64 [B, T, k]) of each row's top plan.k, ordered by (value desc,
-    position asc), or with sorted=False the same entries in torch.topk's unspecified order."""
+    position asc), or with sorted=False the same entries in torch.topk's unspecified order (sorted all the same
+    where our ranker ranks the table: its sort is part of its one launch)."""
+    if plan.own_rank:
+        return rank(composites(pb), plan.k)
     top = torch.topk(composites(pb), plan.k, dim=-1, sorted=sorted)
     return values(top.values), top.indices  # the table's column is the position: no decode needed

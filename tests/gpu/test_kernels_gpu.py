@@ -276,6 +276,71 @@ def test_table_route_at_decode_shapes(T, S, H):
     assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)
 
 
+def _decode_family(family, T, S, H, seed=3):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, H, 128, device="cuda", generator=g)
+    kx = torch.randn(1, S, 128, device="cuda", generator=g)
+    w = torch.randn(1, T, H, device="cuda", generator=g)
+    if family == "all_equal":  # the weight projection starts at zero: every visible key scores 0
+        w = torch.zeros_like(w)
+    elif family == "relu_zero_majority":  # ReLU zeroes every head but for every 64th key: the k-th value is 0
+        q, kx, w = q.abs(), -kx.abs(), w.abs()
+        kx[:, ::64] = kx[:, ::64].abs()
+    elif family == "dup_keys":  # 64 distinct keys repeated: exact ties everywhere
+        kx = kx[:, torch.arange(S, device="cuda") % 64]
+    return q.bfloat16(), kx.bfloat16(), w
+
+
+@pytest.mark.parametrize("family", ["random", "all_equal", "relu_zero_majority", "dup_keys"])
+@pytest.mark.parametrize("T,S,H,k", [(1, 32768, 16, 2048), (16, 131072, 64, 2048), (3, 5001, 5, 100)])
+def test_own_ranker_same_bits(family, T, S, H, k):
+    """The table route's own ranker (table_rank.py) gives torch.topk's ranking of the same table and the
+    pipeline's bits, on tie-heavy rows too; its slow path (a list too small for the row) as well."""
+    hytopk, _, _ = _mods()
+    from hyscale_compile.runtime import table_path, table_rank
+    from hyscale_compile.runtime.final_sort import decode
+    from hyscale_compile.runtime.problem import Problem
+
+    q, kx, w = _decode_family(family, T, S, H)
+    vis = Visibility(causal=True, offset=S - T)
+    want = hytopk.select(q, kx, w, k, 0.1, True, vis, NEG_INF, tuning=tuning())
+    for own in (True, False):
+        got = hytopk.select(q, kx, w, k, 0.1, True, vis, NEG_INF, tuning=tuning(table=True, own_rank=own))
+        assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32)) and torch.equal(got[1], want[1])
+    comp = table_path.composites(Problem(q, kx, w, 0.1, True, vis, NEG_INF))
+    ref_v, ref_i = decode(torch.topk(comp, k, dim=-1).values)
+    for kw in ({}, dict(cap=1), dict(ranks=(-1, 10**6))):
+        v, i = table_rank.rank(comp, k, **kw)
+        assert torch.equal(v.view(torch.int32), ref_v.view(torch.int32)) and torch.equal(i, ref_i), kw
+
+
+def test_own_ranker_sync_free_and_in_a_graph():
+    """A decode call with the own ranker neither synchronizes nor fails to capture, and replays its bits."""
+    hytopk, _, _ = _mods()
+    T, S, H = 4, 32768, 16
+    q, kx, w = _decode_family("random", T, S, H)
+    vis = Visibility(causal=True, offset=S - T)
+    own = tuning(table=True, own_rank=True)
+    v, i = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gv, gi = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)
+
+
 def test_eager_indexer_topk_calls_the_body_sync_free_and_in_a_graph():
     """The by-hand decode call runs the op's body without the op's dispatch: the op's bits, no sync, and it
     captures in a CUDA graph (the table route: its two launches and torch.topk)."""

@@ -19,7 +19,7 @@ from hyscale_compile.runtime.reference import Visibility
 from hyscale_compile.testing import assert_same_topk
 
 NEG_INF = float("-inf")
-PIPELINE, TABLE = Tuning(table=False), Tuning(table=True)
+PIPELINE, TABLE, OWN_RANK = Tuning(table=False), Tuning(table=True, own_rank=False), Tuning(table=True, own_rank=True)
 
 
 def eighths(shape, gen, dtype=torch.bfloat16, lo=-4, hi=5):
@@ -58,6 +58,8 @@ def routes(q, kx, w, k, vis=ALL_VISIBLE, fill=NEG_INF, scale=0.5, relu=True, exa
     tv, ti = hytopk.select(*args, tuning=TABLE)
     assert torch.equal(bits(tv), bits(pv)), f"values differ from the pipeline's:\n{tv}\n{pv}"
     assert torch.equal(ti, pi), f"indices differ from the pipeline's:\n{ti}\n{pi}"
+    ov, oi = hytopk.select(*args, tuning=OWN_RANK)
+    assert torch.equal(bits(ov), bits(pv)) and torch.equal(oi, pi), f"own ranker differs:\n{ov}\n{pv}\n{oi}\n{pi}"
     rv, ri = reference.select(*args)
     if exact:  # NaN as any NaN (the reference keeps a NaN's bits, the kernels give the canonical one)
         same = (tv == rv) | (tv.isnan() & rv.isnan())
@@ -278,3 +280,42 @@ def test_the_route_rule_asks_the_stream_whether_it_captures(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda state=state: state)
         assert problem.capturing(cuda) is state
     assert problem.capturing(torch.device("cpu")) is False
+
+
+def _composites(values: torch.Tensor) -> torch.Tensor:
+    """The table kernel's composites of fp32 ``values`` [..., W] (reference.order_key, position low)."""
+    key = reference.order_key(values.float()).to(torch.int64)
+    return (key << 32) | (0xFFFFFFFF - torch.arange(values.shape[-1]))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(cap=1), dict(ranks=(-1, 10**6)), dict(ranks=(0, 1)), dict(samples=64)])
+def test_own_ranker_is_topk_of_the_composites(kw):
+    """table_rank.rank against torch.topk over the same composites, decoded: random rows, ties, an all-equal
+    row, NaN, -0.0 and -inf fills, k = 1 and k = W; forced slow paths (a list of one slot, no pivots, pivots
+    that admit too few) give the same bits."""
+    from hyscale_compile.runtime.final_sort import decode
+    from hyscale_compile.runtime.table_rank import rank
+
+    g = torch.Generator().manual_seed(17)
+    v = torch.randn(2, 3, 150, generator=g)
+    v[0, 1] = torch.randint(0, 3, (150,), generator=g).float()  # three values: ties everywhere
+    v[0, 2] = 1.0  # all equal: positions decide
+    v[1, 0, ::7] = float("nan")
+    v[1, 1, 40:] = float("-inf")  # few visible keys, the rest filled
+    v[1, 2, ::2] = -0.0
+    comp = _composites(v)
+    for k in (1, 9, 64, 150):
+        got_v, got_i = rank(comp, k, **kw)
+        want_v, want_i = decode(torch.topk(comp, k, dim=-1).values)
+        assert torch.equal(bits(got_v), bits(want_v)) and torch.equal(got_i, want_i), (k, kw)
+
+
+def test_plan_picks_the_own_ranker_for_short_rows(monkeypatch):
+    """Off the interpreter the table route ranks rows of up to RANK_MAX_KEYS keys with table_rank (k within its
+    in-register sort), longer ones with torch.topk; a tuning forces either."""
+    monkeypatch.setattr(plan, "interpreting", lambda: False)
+    assert plan.own_ranker(2048, plan.RANK_MAX_KEYS) and not plan.own_ranker(2048, plan.RANK_MAX_KEYS + 1)
+    assert not plan.own_ranker(4096, 32768)  # past final_sort.SORT_MAX
+    assert plan.own_ranker(2048, 1 << 20, OWN_RANK) and not plan.own_ranker(2048, 32768, TABLE)
+    monkeypatch.undo()
+    assert not plan.own_ranker(2048, 32768)  # the interpreter's default
