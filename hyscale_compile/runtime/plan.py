@@ -36,8 +36,11 @@ EAGER_TABLE_FACTOR = 4
 # The table route ranks its table with its own one-launch ranker (table_rank.py) instead of torch.topk and the
 # values launch up to this many keys a row: on a decode step torch.topk over int64 is some 34 kernels of host
 # work, the ranker one launch; but one program reads a whole row, so past this length torch.topk's passes, which
-# spread a row over many SMs, are faster on the device (NOTES-selection.md, "Defaults ...": table ranker).
+# spread a row over many SMs, are faster on the device. A captured call pays no host work on replay: there the
+# ranker's device time decides, lower than torch.topk's up to RANK_MAX_KEYS_CAPTURED keys a row
+# (NOTES-selection.md, "Defaults ...": table ranker).
 RANK_MAX_KEYS = 131072
+RANK_MAX_KEYS_CAPTURED = 32768
 
 
 @dataclass(frozen=True)
@@ -114,13 +117,14 @@ def table_plan(k: int, own_rank: bool = False) -> Plan:
                 append=0, asm=False, filter_options={}, row_lists=False, table=True, own_rank=own_rank)
 
 
-def own_ranker(k: int, S: int, tuning: Tuning = DEFAULT) -> bool:
-    """Whether the table route ranks with table_rank.py (rows of at most RANK_MAX_KEYS keys, winners that its
-    in-register sort holds) instead of torch.topk. Not under the interpreter by default, where its sort of a
-    row's sample is slow: tests there ask for it with a tuning's ``own_rank``, as they do for either route."""
+def own_ranker(k: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool = False) -> bool:
+    """Whether the table route ranks with table_rank.py (rows of at most RANK_MAX_KEYS keys, RANK_MAX_KEYS_CAPTURED
+    in a call being ``captured``, winners that its in-register sort holds) instead of torch.topk. Not under the
+    interpreter by default, where its sort of a row's sample is slow: tests there ask for it with a tuning's
+    ``own_rank``, as they do for either route."""
     if tuning.own_rank is not None:
         return tuning.own_rank
-    return S <= RANK_MAX_KEYS and k <= SORT_MAX and not interpreting()
+    return S <= (RANK_MAX_KEYS_CAPTURED if captured else RANK_MAX_KEYS) and k <= SORT_MAX and not interpreting()
 
 
 def table_route(rows: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool) -> bool:

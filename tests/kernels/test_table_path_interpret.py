@@ -315,6 +315,8 @@ def test_plan_picks_the_own_ranker_for_short_rows(monkeypatch):
     in-register sort), longer ones with torch.topk; a tuning forces either."""
     monkeypatch.setattr(plan, "interpreting", lambda: False)
     assert plan.own_ranker(2048, plan.RANK_MAX_KEYS) and not plan.own_ranker(2048, plan.RANK_MAX_KEYS + 1)
+    top = plan.RANK_MAX_KEYS_CAPTURED
+    assert plan.own_ranker(2048, top, captured=True) and not plan.own_ranker(2048, top + 1, captured=True)
     assert not plan.own_ranker(4096, 32768)  # past final_sort.SORT_MAX
     assert plan.own_ranker(2048, 1 << 20, OWN_RANK) and not plan.own_ranker(2048, 32768, TABLE)
     monkeypatch.undo()
