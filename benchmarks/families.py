@@ -21,10 +21,10 @@ composite table and runs torch.topk, as small calls do, instead of the pipeline)
 (``hyscale_compile.indexer_topk``: the operator as a compiled model calls it, host work included),
 hyscale_graph_ms (the same call replayed from a CUDA graph: what a decode engine runs; a captured call has its
 own route rule, hyscale_graph_table_route), hyscale_pipeline_ms / hyscale_pipeline_graph_ms, hyscale_table_ms /
-hyscale_table_graph_ms (the table ranked by torch.topk) and hyscale_table_own_ms / hyscale_table_own_graph_ms (by
-our ranker, table_rank.py) (at T <= 256: each route forced, eager and replayed, so that the route rules are
-checked where they decide; hyscale_own_rank / hyscale_graph_own_rank are the plan's rankers, uncaptured and
-captured; routes_equal whether all three gave the same bits),
+hyscale_table_graph_ms (the table ranked by torch.topk), hyscale_table_row_ms / _graph_ms and hyscale_table_split_ms
+/ _graph_ms (by table_rank.py, one program a row or the pass split) (at T <= 256: each route and ranker forced,
+eager and replayed, so that the rules are checked where they decide; hyscale_ranker / hyscale_graph_ranker are
+the plan's rankers, uncaptured and captured; routes_equal whether all four gave the same bits),
 hyscale_unsorted_ms (sorted=False, what an order-free site runs), table_topk_ms (our fused score kernel
 writing the fp32 table, then torch.topk; at T <= 256, where the calls are host-bound, timed interleaved with
 hyscale_ms), peer_topk_ms / peer (the table, then the fastest of FlashInfer's
@@ -192,19 +192,21 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
         row["hyscale_unsorted_ms"] = round(median_ms(lambda: hy(False)), 4)
     if T <= 256:  # each route forced, eager and replayed: the measurements behind the route rules
         row["hyscale_graph_table_route"] = plan.table_route(B * T, S, captured=True)
-        row["hyscale_own_rank"] = plan.own_ranker(k, S)
-        row["hyscale_graph_own_rank"] = plan.own_ranker(k, S, captured=True)
-        rules = plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED
+        row["hyscale_ranker"] = plan.table_ranker(k, S)
+        row["hyscale_graph_ranker"] = plan.table_ranker(k, S, captured=True)
+        rules = plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED, plan.RANK_SPLIT
         got = {}
-        for route, forced, ranker in (("pipeline", 0, 0), ("table", 1 << 62, 0), ("table_own", 1 << 62, 1 << 62)):
-            plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED = forced, ranker, ranker
+        big = 1 << 62
+        for route, forced in (("pipeline", (0, 0, 0, False)), ("table", (big, 0, 0, False)),
+                              ("table_row", (big, big, big, False)), ("table_split", (big, 0, 0, True))):
+            plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED, plan.RANK_SPLIT = forced
             try:
                 got[route] = hy()
                 row[f"hyscale_{route}_ms"] = round(median_ms(hy), 4)
                 row[f"hyscale_{route}_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, f"{route} graph"))
             finally:
-                plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED = rules
-        row["routes_equal"] = all(_same(got["pipeline"], got[r]) for r in ("table", "table_own"))
+                plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED, plan.RANK_SPLIT = rules
+        row["routes_equal"] = all(_same(got["pipeline"], got[r]) for r in ("table", "table_row", "table_split"))
     if T > 256:
         row["table_topk_ms"] = round(median_ms(plain), 4)
     if peers is not None and T >= 4096:

@@ -41,7 +41,7 @@ from .env import interpreting
 from .filter import filter_rows
 from .final_select import select_composites, select_rows, select_rows_reference
 from .final_sort import decode, sort_width
-from .plan import DEFAULT, Plan, Tuning, make_plan, own_ranker, table_plan, table_route
+from .plan import DEFAULT, Plan, Tuning, make_plan, table_plan, table_ranker, table_route
 from .problem import Problem, capturing
 from .recover import recover
 from .reference import Visibility
@@ -69,7 +69,7 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
     pb = Problem(q, kx, weights, scale, relu, vis, fill, tuning.tile)
     captured = capturing(pb.device)
     table = table_route(pb.rows, pb.S, tuning, captured=captured)
-    plan = table_plan(k, own_ranker(k, pb.S, tuning, captured=captured)) if table else make_plan(pb, k, tuning)
+    plan = table_plan(k, table_ranker(k, pb.S, tuning, captured=captured)) if table else make_plan(pb, k, tuning)
     if plan.table:  # a small problem: its composite table and torch.topk (table_path.py)
         return table_path.select(pb, plan, sorted)
     buf, used = candidates(pb, plan)

@@ -33,14 +33,16 @@ TABLE_MAX_BYTES = 32 << 20
 # captured into a CUDA graph pays no host work on replay, and its graph would keep the table in its pool for
 # good: there the device-time rule stands.
 EAGER_TABLE_FACTOR = 4
-# The table route ranks its table with its own one-launch ranker (table_rank.py) instead of torch.topk and the
-# values launch up to this many keys a row: on a decode step torch.topk over int64 is some 34 kernels of host
-# work, the ranker one launch; but one program reads a whole row, so past this length torch.topk's passes, which
-# spread a row over many SMs, are faster on the device. A captured call pays no host work on replay: there the
-# ranker's device time decides, lower than torch.topk's up to RANK_MAX_KEYS_CAPTURED keys a row
-# (NOTES-selection.md, "Defaults ...": table ranker).
+# The table route ranks its table with a ranker of its own (table_rank.py) instead of torch.topk and the values
+# launch: on a decode step torch.topk over int64 is some 34 kernels of host work. Up to RANK_MAX_KEYS keys a row,
+# one launch of one program a row ("row"); past that one program is slower on the device than torch.topk's
+# passes, which spread a row over many SMs, and the row's pass is split over programs ("split": three launches).
+# A captured call pays no host work on replay: there device time decides, and the one-program ranker's is below
+# torch.topk's up to RANK_MAX_KEYS_CAPTURED keys (NOTES-selection.md, "Defaults ...": table ranker).
 RANK_MAX_KEYS = 131072
 RANK_MAX_KEYS_CAPTURED = 32768
+RANK_SPLIT = True  # rows past those: the split ranker (False: torch.topk)
+RANKERS = ("topk", "row", "split")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Tuning:
     programs: int | None = None  # programs to aim for per launch
     sample_split: int | None = None  # sampling programs per query block (default: one per two sample tiles)
     table: bool | None = None  # True: the table route, False: the pipeline (default: table_route's rule)
-    own_rank: bool | None = None  # the table route's ranker: True ours, False torch.topk (default: own_ranker's rule)
+    ranker: str | None = None  # the table route's ranker, one of RANKERS (default: table_ranker's rule)
 
 
 DEFAULT = Tuning()
@@ -78,7 +80,7 @@ class Plan:
     filter_options: dict  # the filter's launch options beyond its tile's
     row_lists: bool  # the final select keeps its lists in the rows' unused slots
     table: bool = False  # the table route (table_path.py) instead of the pipeline: the fields above go unused
-    own_rank: bool = False  # on the table route, our one-launch ranker (table_rank.py) instead of torch.topk
+    ranker: str = "topk"  # on the table route, what ranks the table: torch.topk, or table_rank.py's "row" / "split"
 
     @property
     def width(self) -> int:
@@ -109,22 +111,28 @@ def make_plan(pb: Problem, k: int, tuning: Tuning = DEFAULT) -> Plan:
 
 
 @functools.lru_cache(maxsize=64)  # Plans are frozen; a decode step asks for the same one every call
-def table_plan(k: int, own_rank: bool = False) -> Plan:
+def table_plan(k: int, ranker: str = "topk") -> Plan:
     """The plan of a call that takes the table route, which reads k and the ranker alone: what ``select`` runs
     (make_plan's pipeline sizes and launch choices would be host work for nothing on a decode step; benchmarks
     and tests that run pipeline stages on such sizes still get them from make_plan)."""
     return Plan(k=k, target=0, capacity=0, samples=0, sampled=False, programs=0, sample_split=0, filter_split=0,
-                append=0, asm=False, filter_options={}, row_lists=False, table=True, own_rank=own_rank)
+                append=0, asm=False, filter_options={}, row_lists=False, table=True, ranker=ranker)
 
 
-def own_ranker(k: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool = False) -> bool:
-    """Whether the table route ranks with table_rank.py (rows of at most RANK_MAX_KEYS keys, RANK_MAX_KEYS_CAPTURED
-    in a call being ``captured``, winners that its in-register sort holds) instead of torch.topk. Not under the
-    interpreter by default, where its sort of a row's sample is slow: tests there ask for it with a tuning's
-    ``own_rank``, as they do for either route."""
-    if tuning.own_rank is not None:
-        return tuning.own_rank
-    return S <= (RANK_MAX_KEYS_CAPTURED if captured else RANK_MAX_KEYS) and k <= SORT_MAX and not interpreting()
+def table_ranker(k: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool = False) -> str:
+    """What ranks a table-route call's table (one of RANKERS): table_rank.py's one program a row up to
+    RANK_MAX_KEYS keys (RANK_MAX_KEYS_CAPTURED in a call being ``captured``), its split pass past that (with
+    RANK_SPLIT), where its in-register sort holds the k winners; else torch.topk. Not under the interpreter by
+    default, where its sorts are slow: tests there ask for a ranker with a tuning's ``ranker``."""
+    if tuning.ranker is not None:
+        if tuning.ranker not in RANKERS:
+            raise ValueError(f"Tuning.ranker: {tuning.ranker!r} is none of {RANKERS}")
+        return tuning.ranker
+    if k > SORT_MAX or interpreting():
+        return "topk"
+    if S <= (RANK_MAX_KEYS_CAPTURED if captured else RANK_MAX_KEYS):
+        return "row"
+    return "split" if RANK_SPLIT else "topk"
 
 
 def table_route(rows: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool) -> bool:

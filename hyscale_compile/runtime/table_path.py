@@ -16,9 +16,9 @@ the final select does, and torch.topk's indices are the positions (the table's c
 pipeline's, bit for bit, fill values and positions of short rows included (every position competes with its
 value; of the masked ones, ranked by position, the lowest win, which are the ones the pipeline's extras hold).
 
-Where a row is short enough for one program (``plan.own_ranker``), ``table_rank.rank`` ranks the table instead
-of torch.topk and the values launch: one launch in place of torch.topk's some 34 over int64, with the same bits
-(the top k of unique composites, sorted, decoded as the final select decodes them).
+Where its sort holds the k winners (``plan.table_ranker``), ``table_rank.rank`` ranks the table instead of
+torch.topk and the values launch: one launch (three for long rows) in place of torch.topk's some 34 over int64,
+with the same bits (the top k of unique composites, sorted, decoded as the final select decodes them).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .final_sort import values
 from .plan import Plan
 from .problem import Problem, cdiv
 from .score_tile import block_rows, composite, order_key, tile_values
-from .table_rank import rank
+from .table_rank import SPLIT_KEYS, rank
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor
     """(values fp32 [B, T, k], positions int64 [B, T, k]) of each row's top plan.k, ordered by (value desc,
     position asc), or with sorted=False the same entries in torch.topk's unspecified order (sorted all the same
     where our ranker ranks the table: its sort is part of its one launch)."""
-    if plan.own_rank:
-        return rank(composites(pb), plan.k)
+    if plan.ranker != "topk":
+        return rank(composites(pb), plan.k, split=SPLIT_KEYS if plan.ranker == "split" else None)
     top = torch.topk(composites(pb), plan.k, dim=-1, sorted=sorted)
     return values(top.values), top.indices  # the table's column is the position: no decode needed

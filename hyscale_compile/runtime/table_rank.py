@@ -10,8 +10,10 @@ in registers and decoded (``final_sort``). A row whose pivots miss ranks its who
 equally exact. The result is torch.topk's over the same composites, bit for bit (no two composites are equal, so
 the top k and their order are unique).
 
-One program reads its whole row, so the rule that picks this ranker (``plan.own_ranker``) keeps it to rows
-short enough for one SM; longer rows keep torch.topk, whose passes spread a row over many.
+One program reads its whole row, so the rule that picks the ranker (``plan.table_ranker``) keeps that to rows
+short enough for one SM; a longer row's pass is split over programs of SPLIT_KEYS composites, which take their
+slots from the row's counters by atomics, and a second launch finishes each row (three launches in all, with
+the counters' zeroing; still a tenth of torch.topk's).
 """
 
 from __future__ import annotations
@@ -31,12 +33,57 @@ INT64_MAX = 2**63 - 1
 RANK_WARPS = 16  # a row per program: the pass, the list and the sort of k = 2048 winners all want the SM's width
 RANK_CHUNK = 4096  # composites a step of the pass over a row (8 a thread at 16 warps)
 RANK_LIST_CHUNK = 512  # entries a step over the list
+SPLIT_KEYS = 32768  # composites a program of the split pass (a multiple of RANK_CHUNK and of INTERPRETED's chunk)
 # Under the interpreter, which runs the programs one by one and sorts in numpy: a small sample and chunks (the
 # same steps, the same bits; the pivots only decide how fast a row goes)
 INTERPRETED = dict(samples=16, chunk=64, list_chunk=32, warps=1)
 
 _MIN = tl.constexpr(INT64_MIN)
 _MAX = tl.constexpr(INT64_MAX)
+
+
+@triton.jit
+def _pivots(src, W, i_hi, i_lo, SAMPLES: tl.constexpr):
+    """(hi, lo) of a row: two ranks of a strided sample of its composites, sorted (a short row repeats)."""
+    j = tl.arange(0, SAMPLES)
+    samp = tl.sort(tl.load(src + (j.to(tl.int64) * W) // SAMPLES), descending=True)
+    hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
+    hi = tl.where(hi == _MIN, _MAX, hi)  # no such rank: nothing is a sure winner
+    lo = tl.maximum(tl.max(tl.where(j == i_lo, samp, _MIN), axis=0), _MIN + 1)  # no such rank: every entry
+    return hi, lo
+
+
+@triton.jit
+def _classify(x, hi, lo, TPB: tl.constexpr):
+    """A chunk's sure winners (>= hi) and list entries ([lo, hi)): (sure, mid, their slots in the chunk packed as
+    sure + (mid << 16), the chunk's two counts packed the same way)."""
+    sure = x >= hi
+    mid = (x >= lo) & (x < hi)
+    before, tot = _slots(sure.to(tl.int32) + (mid.to(tl.int32) << 16), TPB)  # both counts, one scan
+    return sure, mid, before, tot
+
+
+@triton.jit
+def _place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap):
+    """The chunk's sure winners to dst from slot n_hi, its list entries to scr from slot n_mid (none past k or cap)."""
+    s_slot = n_hi + (before & 0xFFFF)
+    m_slot = n_mid + (before >> 16)
+    tl.store(dst + s_slot, x, mask=sure & (s_slot < k))
+    tl.store(scr + m_slot, x, mask=mid & (m_slot < cap))
+
+
+@triton.jit
+def _finish(src, W, dst, val, scr, k, cap, hi, lo, n_hi, n_mid, CH: tl.constexpr, LCH: tl.constexpr,
+            TPB: tl.constexpr, KP: tl.constexpr):
+    """The rest of the winners from the list (or, where the pivots missed, the whole row), then all k sorted and
+    decoded where they lie: val[:k] the values, dst[:k] the positions."""
+    if (n_hi < k) & (n_hi + n_mid >= k) & (n_mid <= cap):
+        K, V = _kth(scr, n_mid, n_mid, 0, k - n_hi, lo, hi, False, LCH)
+        _emit(scr, n_mid, n_mid, 0, K, V, dst + n_hi, False, LCH, TPB)
+    else:  # the pivots missed: the whole row is the list
+        K, V = _kth(src, W, W, 0, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), False, CH)
+        _emit(src, W, W, 0, K, V, dst, False, CH, TPB)
+    _sort_decode(dst, val, k, KP)
 
 
 @triton.jit
@@ -51,53 +98,80 @@ def rank_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, W, k, cap, i_hi, i_lo, SAMP
     src = comp_ptr + r * W
     dst = pos_ptr + r * k
     scr = scr_ptr + r * cap
-    j = tl.arange(0, SAMPLES)
-    samp = tl.sort(tl.load(src + (j.to(tl.int64) * W) // SAMPLES), descending=True)  # a short row repeats
-    hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
-    hi = tl.where(hi == _MIN, _MAX, hi)  # no such rank: nothing is a sure winner
-    lo = tl.maximum(tl.max(tl.where(j == i_lo, samp, _MIN), axis=0), _MIN + 1)  # no such rank: every entry
+    hi, lo = _pivots(src, W, i_hi, i_lo, SAMPLES)
     n_hi = tl.zeros((), dtype=tl.int32)
     n_mid = tl.zeros((), dtype=tl.int32)
     for c0 in range(0, W, CH):
         offs = c0 + tl.arange(0, CH)
         x = tl.load(src + offs, mask=offs < W, other=_MIN)
-        sure = x >= hi
-        mid = (x >= lo) & (x < hi)
-        before, tot = _slots(sure.to(tl.int32) + (mid.to(tl.int32) << 16), TPB)  # both counts, one scan
-        s_slot = n_hi + (before & 0xFFFF)
-        m_slot = n_mid + (before >> 16)
-        tl.store(dst + s_slot, x, mask=sure & (s_slot < k))
-        tl.store(scr + m_slot, x, mask=mid & (m_slot < cap))
+        sure, mid, before, tot = _classify(x, hi, lo, TPB)
+        _place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap)
         n_hi += tot & 0xFFFF
         n_mid += tot >> 16
     tl.debug_barrier()  # the list is read below, and the slow path rewrites the slots written above
-    if (n_hi < k) & (n_hi + n_mid >= k) & (n_mid <= cap):
-        K, V = _kth(scr, n_mid, n_mid, 0, k - n_hi, lo, hi, False, LCH)
-        _emit(scr, n_mid, n_mid, 0, K, V, dst + n_hi, False, LCH, TPB)
-    else:  # the pivots missed: the whole row is the list
-        K, V = _kth(src, W, W, 0, k, tl.full((), _MIN + 1, tl.int64), tl.full((), _MAX, tl.int64), False, CH)
-        _emit(src, W, W, 0, K, V, dst, False, CH, TPB)
-    _sort_decode(dst, val_ptr + r * k, k, KP)
+    _finish(src, W, dst, val_ptr + r * k, scr, k, cap, hi, lo, n_hi, n_mid, CH, LCH, TPB, KP)
 
 
-def rank(comp: Tensor, k: int, *, samples: int | None = None, ranks: tuple[int, int] | None = None,
-         cap: int | None = None, chunk: int | None = None, list_chunk: int | None = None,
-         warps: int | None = None) -> tuple[Tensor, Tensor]:
+@triton.jit
+def split_pass_kernel(comp_ptr, pos_ptr, scr_ptr, cnt_ptr, W, k, cap, seg, i_hi, i_lo, SAMPLES: tl.constexpr,
+                      CH: tl.constexpr, TPB: tl.constexpr):
+    """Segment program_id(1) (``seg`` composites) of row r's pass, for rows too long for one program: the row's
+    pivots (every program of the row computes the same), then its chunks' sure winners and list entries at slots
+    taken from the row's two counters cnt[r] (zeroed), so the slots' order is the programs' and may differ from
+    run to run; the winners are sorted afterwards, so the result does not."""
+    r = tl.program_id(0).to(tl.int64)
+    src = comp_ptr + r * W
+    dst = pos_ptr + r * k
+    scr = scr_ptr + r * cap
+    hi, lo = _pivots(src, W, i_hi, i_lo, SAMPLES)
+    end = tl.minimum(tl.program_id(1).to(tl.int64) * seg + seg, W)
+    for c0 in range(tl.program_id(1).to(tl.int64) * seg, end, CH):
+        offs = c0 + tl.arange(0, CH)
+        x = tl.load(src + offs, mask=offs < end, other=_MIN)
+        sure, mid, before, tot = _classify(x, hi, lo, TPB)
+        n_hi = tl.atomic_add(cnt_ptr + 2 * r, tot & 0xFFFF, sem="relaxed")  # the slots before this chunk's
+        n_mid = tl.atomic_add(cnt_ptr + 2 * r + 1, tot >> 16, sem="relaxed")
+        _place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap)
+
+
+@triton.jit
+def split_finish_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, cnt_ptr, W, k, cap, i_hi, i_lo,
+                        SAMPLES: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr,
+                        KP: tl.constexpr):
+    """Row r after split_pass_kernel: its counts, then _finish as rank_kernel's."""
+    r = tl.program_id(0).to(tl.int64)
+    src = comp_ptr + r * W
+    hi, lo = _pivots(src, W, i_hi, i_lo, SAMPLES)
+    _finish(src, W, pos_ptr + r * k, val_ptr + r * k, scr_ptr + r * cap, k, cap, hi, lo, tl.load(cnt_ptr + 2 * r),
+            tl.load(cnt_ptr + 2 * r + 1), CH, LCH, TPB, KP)
+
+
+def _sizes(samples, chunk, list_chunk, warps) -> tuple[int, int, int, int]:
+    """The kernels' sample and chunk sizes and warps: RANK_* on a device, INTERPRETED under the interpreter; a
+    value given wins (tests)."""
+    d = INTERPRETED if interpreting() else dict(samples=SAMPLE, chunk=RANK_CHUNK, list_chunk=RANK_LIST_CHUNK,
+                                                 warps=RANK_WARPS)
+    got = dict(samples=samples, chunk=chunk, list_chunk=list_chunk, warps=warps)
+    samples, chunk, list_chunk, warps = (d[n] if got[n] is None else got[n] for n in d)
+    assert chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15  # see _slots
+    return samples, chunk, list_chunk, warps
+
+
+def rank(comp: Tensor, k: int, *, split: int | None = None, samples: int | None = None,
+         ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int | None = None,
+         list_chunk: int | None = None, warps: int | None = None) -> tuple[Tensor, Tensor]:
     """(values fp32 [..., k], positions int64 [..., k]) of the k largest composites of each row of ``comp``
     [..., W] (contiguous int64, 1 <= k <= W, k <= final_sort.SORT_MAX), ordered by value desc, position asc.
 
-    The keyword arguments are for tests: the sample and chunk sizes (default: RANK_* on a device, INTERPRETED
-    under the interpreter), and pivot ranks or a list size that force the slow path."""
-    sizes = INTERPRETED if interpreting() else dict(samples=SAMPLE, chunk=RANK_CHUNK, list_chunk=RANK_LIST_CHUNK,
-                                                     warps=RANK_WARPS)
-    samples = sizes["samples"] if samples is None else samples
-    chunk = sizes["chunk"] if chunk is None else chunk
-    list_chunk = sizes["list_chunk"] if list_chunk is None else list_chunk
-    warps = sizes["warps"] if warps is None else warps
+    One program a row; with ``split``, a row's pass is spread over programs of ``split`` composites each (a
+    multiple of the chunk) and a second launch finishes each row (for rows too long for one SM). The other
+    keyword arguments are for tests: the sample and chunk sizes, and pivot ranks or a list size that force the
+    slow path."""
+    samples, chunk, list_chunk, warps = _sizes(samples, chunk, list_chunk, warps)
     W = comp.shape[-1]
     kp = sort_width(k)
     assert comp.dtype == torch.int64 and comp.is_contiguous() and 1 <= k <= W and kp, "rank: int64 rows, k <= W"
-    assert chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15  # see _slots
+    assert split is None or (split > 0 and split % chunk == 0), "rank: split must be a multiple of the chunk"
     i_hi, i_lo, default_cap = pivot_ranks(k, W, samples)
     i_hi, i_lo = ranks if ranks is not None else (i_hi, i_lo)
     cap = default_cap if cap is None else cap
@@ -105,8 +179,14 @@ def rank(comp: Tensor, k: int, *, samples: int | None = None, ranks: tuple[int, 
     R = comp.numel() // W
     pos = torch.empty(*lead, k, dtype=torch.int64, device=comp.device)
     val = torch.empty(*lead, k, dtype=torch.float32, device=comp.device)
-    if R:
-        scratch = torch.empty(R, cap, dtype=torch.int64, device=comp.device)
-        rank_kernel[(R,)](comp, pos, val, scratch, W, k, cap, i_hi, i_lo, SAMPLES=samples, CH=chunk, LCH=list_chunk,
-                          TPB=32 * warps, KP=kp, num_warps=warps)
+    if not R:
+        return val, pos
+    scratch = torch.empty(R, cap, dtype=torch.int64, device=comp.device)
+    sizes = dict(SAMPLES=samples, CH=chunk, TPB=32 * warps, num_warps=warps)
+    if split is None:
+        rank_kernel[(R,)](comp, pos, val, scratch, W, k, cap, i_hi, i_lo, LCH=list_chunk, KP=kp, **sizes)
+        return val, pos
+    counts = torch.zeros(R, 2, dtype=torch.int32, device=comp.device)  # each row's sure winners and list entries
+    split_pass_kernel[(R, -(-W // split))](comp, pos, scratch, counts, W, k, cap, split, i_hi, i_lo, **sizes)
+    split_finish_kernel[(R,)](comp, pos, val, scratch, counts, W, k, cap, i_hi, i_lo, LCH=list_chunk, KP=kp, **sizes)
     return val, pos

@@ -292,10 +292,12 @@ def _decode_family(family, T, S, H, seed=3):
 
 
 @pytest.mark.parametrize("family", ["random", "all_equal", "relu_zero_majority", "dup_keys"])
-@pytest.mark.parametrize("T,S,H,k", [(1, 32768, 16, 2048), (16, 131072, 64, 2048), (3, 5001, 5, 100)])
+@pytest.mark.parametrize("T,S,H,k", [(1, 32768, 16, 2048), (16, 131072, 64, 2048), (3, 5001, 5, 100),
+                                     (2, 1 << 20, 16, 2048)])
 def test_own_ranker_same_bits(family, T, S, H, k):
-    """The table route's own ranker (table_rank.py) gives torch.topk's ranking of the same table and the
-    pipeline's bits, on tie-heavy rows too; its slow path (a list too small for the row) as well."""
+    """The table route's own rankers (table_rank.py: one program a row, or the row's pass split over programs)
+    give torch.topk's ranking of the same table and the pipeline's bits, on tie-heavy rows too; their slow path
+    (a list too small for the row, no pivots) as well."""
     hytopk, _, _ = _mods()
     from hyscale_compile.runtime import table_path, table_rank
     from hyscale_compile.runtime.final_sort import decode
@@ -304,23 +306,24 @@ def test_own_ranker_same_bits(family, T, S, H, k):
     q, kx, w = _decode_family(family, T, S, H)
     vis = Visibility(causal=True, offset=S - T)
     want = hytopk.select(q, kx, w, k, 0.1, True, vis, NEG_INF, tuning=tuning())
-    for own in (True, False):
-        got = hytopk.select(q, kx, w, k, 0.1, True, vis, NEG_INF, tuning=tuning(table=True, own_rank=own))
+    for ranker in ("row", "split", "topk"):
+        got = hytopk.select(q, kx, w, k, 0.1, True, vis, NEG_INF, tuning=tuning(table=True, ranker=ranker))
         assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32)) and torch.equal(got[1], want[1])
     comp = table_path.composites(Problem(q, kx, w, 0.1, True, vis, NEG_INF))
     ref_v, ref_i = decode(torch.topk(comp, k, dim=-1).values)
-    for kw in ({}, dict(cap=1), dict(ranks=(-1, 10**6))):
+    for kw in ({}, dict(cap=1), dict(ranks=(-1, 10**6)), dict(split=8192), dict(split=8192, cap=1)):
         v, i = table_rank.rank(comp, k, **kw)
         assert torch.equal(v.view(torch.int32), ref_v.view(torch.int32)) and torch.equal(i, ref_i), kw
 
 
-def test_own_ranker_sync_free_and_in_a_graph():
-    """A decode call with the own ranker neither synchronizes nor fails to capture, and replays its bits."""
+@pytest.mark.parametrize("ranker", ["row", "split"])
+def test_own_ranker_sync_free_and_in_a_graph(ranker):
+    """A decode call with our rankers neither synchronizes nor fails to capture, and replays its bits."""
     hytopk, _, _ = _mods()
-    T, S, H = 4, 32768, 16
+    T, S, H = 4, 131072, 16
     q, kx, w = _decode_family("random", T, S, H)
     vis = Visibility(causal=True, offset=S - T)
-    own = tuning(table=True, own_rank=True)
+    own = tuning(table=True, ranker=ranker)
     v, i = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

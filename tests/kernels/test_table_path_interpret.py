@@ -19,7 +19,8 @@ from hyscale_compile.runtime.reference import Visibility
 from hyscale_compile.testing import assert_same_topk
 
 NEG_INF = float("-inf")
-PIPELINE, TABLE, OWN_RANK = Tuning(table=False), Tuning(table=True, own_rank=False), Tuning(table=True, own_rank=True)
+PIPELINE, TABLE = Tuning(table=False), Tuning(table=True, ranker="topk")
+ROW_RANK, SPLIT_RANK = Tuning(table=True, ranker="row"), Tuning(table=True, ranker="split")
 
 
 def eighths(shape, gen, dtype=torch.bfloat16, lo=-4, hi=5):
@@ -58,8 +59,10 @@ def routes(q, kx, w, k, vis=ALL_VISIBLE, fill=NEG_INF, scale=0.5, relu=True, exa
     tv, ti = hytopk.select(*args, tuning=TABLE)
     assert torch.equal(bits(tv), bits(pv)), f"values differ from the pipeline's:\n{tv}\n{pv}"
     assert torch.equal(ti, pi), f"indices differ from the pipeline's:\n{ti}\n{pi}"
-    ov, oi = hytopk.select(*args, tuning=OWN_RANK)
-    assert torch.equal(bits(ov), bits(pv)) and torch.equal(oi, pi), f"own ranker differs:\n{ov}\n{pv}\n{oi}\n{pi}"
+    rankers = (ROW_RANK, SPLIT_RANK) if kx.shape[1] >= 128 else (ROW_RANK,)  # the split one: 64 keys a program
+    for ranker in rankers if q.shape[0] * q.shape[1] <= 16 else ():  # the interpreter runs a program a row in turn
+        ov, oi = hytopk.select(*args, tuning=ranker)
+        assert torch.equal(bits(ov), bits(pv)) and torch.equal(oi, pi), f"{ranker.ranker} ranker:\n{ov}\n{pv}\n{oi}\n{pi}"
     rv, ri = reference.select(*args)
     if exact:  # NaN as any NaN (the reference keeps a NaN's bits, the kernels give the canonical one)
         same = (tv == rv) | (tv.isnan() & rv.isnan())
@@ -288,11 +291,13 @@ def _composites(values: torch.Tensor) -> torch.Tensor:
     return (key << 32) | (0xFFFFFFFF - torch.arange(values.shape[-1]))
 
 
-@pytest.mark.parametrize("kw", [{}, dict(cap=1), dict(ranks=(-1, 10**6)), dict(ranks=(0, 1)), dict(samples=64)])
+@pytest.mark.parametrize("kw", [{}, dict(cap=1), dict(ranks=(-1, 10**6)), dict(ranks=(0, 1)), dict(samples=64),
+                                dict(split=64), dict(split=128, cap=1), dict(split=64, ranks=(0, 1))])
 def test_own_ranker_is_topk_of_the_composites(kw):
     """table_rank.rank against torch.topk over the same composites, decoded: random rows, ties, an all-equal
     row, NaN, -0.0 and -inf fills, k = 1 and k = W; forced slow paths (a list of one slot, no pivots, pivots
-    that admit too few) give the same bits."""
+    that admit too few) give the same bits, and so does a row's pass split over programs (slots taken by
+    atomics)."""
     from hyscale_compile.runtime.final_sort import decode
     from hyscale_compile.runtime.table_rank import rank
 
@@ -304,20 +309,26 @@ def test_own_ranker_is_topk_of_the_composites(kw):
     v[1, 1, 40:] = float("-inf")  # few visible keys, the rest filled
     v[1, 2, ::2] = -0.0
     comp = _composites(v)
-    for k in (1, 9, 64, 150):
+    for k in (1, 37, 150):
         got_v, got_i = rank(comp, k, **kw)
         want_v, want_i = decode(torch.topk(comp, k, dim=-1).values)
         assert torch.equal(bits(got_v), bits(want_v)) and torch.equal(got_i, want_i), (k, kw)
 
 
-def test_plan_picks_the_own_ranker_for_short_rows(monkeypatch):
-    """Off the interpreter the table route ranks rows of up to RANK_MAX_KEYS keys with table_rank (k within its
-    in-register sort), longer ones with torch.topk; a tuning forces either."""
+def test_plan_picks_the_ranker(monkeypatch):
+    """Off the interpreter the table route ranks rows of up to RANK_MAX_KEYS keys (RANK_MAX_KEYS_CAPTURED captured)
+    with one program a row, longer ones with the split pass, k past the in-register sort with torch.topk; a
+    tuning forces any, and names one of them."""
     monkeypatch.setattr(plan, "interpreting", lambda: False)
-    assert plan.own_ranker(2048, plan.RANK_MAX_KEYS) and not plan.own_ranker(2048, plan.RANK_MAX_KEYS + 1)
-    top = plan.RANK_MAX_KEYS_CAPTURED
-    assert plan.own_ranker(2048, top, captured=True) and not plan.own_ranker(2048, top + 1, captured=True)
-    assert not plan.own_ranker(4096, 32768)  # past final_sort.SORT_MAX
-    assert plan.own_ranker(2048, 1 << 20, OWN_RANK) and not plan.own_ranker(2048, 32768, TABLE)
+    top, top_captured = plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED
+    assert plan.table_ranker(2048, top) == "row" and plan.table_ranker(2048, top + 1) == "split"
+    assert plan.table_ranker(2048, top_captured, captured=True) == "row"
+    assert plan.table_ranker(2048, top_captured + 1, captured=True) == "split"
+    assert plan.table_ranker(4096, 32768) == "topk"  # past final_sort.SORT_MAX
+    monkeypatch.setattr(plan, "RANK_SPLIT", False)
+    assert plan.table_ranker(2048, top + 1) == "topk"
+    assert plan.table_ranker(2048, 1 << 20, ROW_RANK) == "row" and plan.table_ranker(2048, 32768, TABLE) == "topk"
+    with pytest.raises(ValueError, match="Tuning.ranker"):
+        plan.table_ranker(2048, 32768, Tuning(ranker="radix"))
     monkeypatch.undo()
-    assert not plan.own_ranker(2048, 32768)  # the interpreter's default
+    assert plan.table_ranker(2048, 32768) == "topk"  # the interpreter's default
