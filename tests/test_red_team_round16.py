@@ -11,6 +11,11 @@ Found and fixed:
   top-k outside it, they carried one eager's do not (a loss on them would train the indexer where eager's does
   not). Likewise a ``[..., :k]`` slice of a sort's values taken under no_grad. Such sites are now left alone with
   the reason.
+* (attention.check_grad_mode) eager attention whose q.k^T logits, the mask arithmetic on them, or the softmax run
+  under ``torch.no_grad()`` while the product with v does not: eager's autograd stops q's and k's gradient there,
+  the op (run where the product with v is, with grad enabled) carried it through; q and k got gradients (up to 2.5)
+  where eager's are 0. (Round 4 fixed the same for the steps of an MLA expansion only.) Such sites are now left
+  alone with the reason; an index mask built under no_grad (it carries no gradient) is still rewritten.
 
 Tried besides, all already right: ``backward(retain_graph=True)`` twice and ``autograd.grad`` twice on a selection
 plus sparse attention (eager and aot_eager compilers: the ops' saved tensors survive, same gradients both times);
@@ -28,7 +33,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_red_team_round14 import NEG, SEL, _causal, _check_sites, _inputs, _keep, _score
+from test_red_team_round14 import MIN, NEG, SEL, _causal, _check_sites, _inputs, _keep, _logits, _rj, _rw, _score
 
 from hyscale_compile.passes import report
 
@@ -132,6 +137,62 @@ def _whole_selection_under_no_grad(qi, ki, w):
 @pytest.mark.parametrize("model", [_sorted_under_no_grad_sliced_outside, _whole_selection_under_no_grad])
 def test_grad_modes_that_agree_are_still_rewritten(model):
     _check_sites(model, _inputs(1)[:3], [SEL], grad=IDX)
+
+
+# ---------------------------------------------------------------------------------------------
+# Found in review: eager attention whose logits or softmax run under no_grad
+
+
+def _logits_under_no_grad(qi, ki, w, q, k, v):
+    keep = _keep(qi, ki, w)
+    with torch.no_grad():
+        a = _logits(q, k)
+    return a.masked_fill(~keep, MIN).softmax(-1) @ v
+
+
+def _masked_scores_under_no_grad(qi, ki, w, q, k, v):
+    a = _logits(q, k)
+    with torch.no_grad():
+        a = a.masked_fill(~_keep(qi, ki, w), MIN)
+    return a.softmax(-1) @ v
+
+
+def _softmax_under_no_grad(qi, ki, w, q, k, v):
+    a = _logits(q, k).masked_fill(~_keep(qi, ki, w), MIN)
+    with torch.no_grad():
+        p = a.softmax(-1)
+    return p @ v
+
+
+NO_GRAD_STEPS = {"logits_under_no_grad": (_logits_under_no_grad, "transpose at"),
+                 "masked_scores_under_no_grad": (_masked_scores_under_no_grad, "masked_fill at"),
+                 "softmax_under_no_grad": (_softmax_under_no_grad, "softmax at")}
+
+
+@pytest.mark.parametrize("name", sorted(NO_GRAD_STEPS))
+def test_found_in_review_attention_steps_under_no_grad_keep_eagers_gradients(name):
+    """Found in review: rewritten, and q and k got gradients (up to 2.5) where eager gives them none."""
+    model, words = NO_GRAD_STEPS[name]
+    (_, r) = _check_sites(model, _inputs(2), [SEL, _rj("runs under torch.no_grad()")])
+    assert words in r.reason, r.reason
+
+
+def _mask_under_no_grad(qi, ki, w, q, k, v):
+    with torch.no_grad():
+        keep = _keep(qi, ki, w)
+    return _logits(q, k).masked_fill(~keep, MIN).softmax(-1) @ v
+
+
+def _attention_under_no_grad(qi, ki, w, q, k, v):
+    keep = _keep(qi, ki, w)
+    with torch.no_grad():
+        return _logits(q, k).masked_fill(~keep, MIN).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("model", [_mask_under_no_grad, _attention_under_no_grad])
+def test_no_grad_where_no_gradient_is_cut_still_rewritten(model):
+    """The mask carries no gradient; an attention wholly under no_grad gives none either way."""
+    _check_sites(model, _inputs(3), [SEL, _rw("causal")])
 
 
 # ---------------------------------------------------------------------------------------------
