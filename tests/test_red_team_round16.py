@@ -16,6 +16,13 @@ Found and fixed:
   the op (run where the product with v is, with grad enabled) carried it through; q and k got gradients (up to 2.5)
   where eager's are 0. (Round 4 fixed the same for the steps of an MLA expansion only.) Such sites are now left
   alone with the reason; an index mask built under no_grad (it carries no gradient) is still rewritten.
+* (lowering/ops.py) a custom op's body, and its backward, run in the caller's autocast state; the attention ops
+  turned autocast off for their own arithmetic, the selection ops did not. Under an autocast region (the selection
+  in one with the ``eager`` compiler, ``indexer_topk`` called in one, a compiled model called in one) select and
+  rescore scored in bfloat16 (6e-3 from the op's fp32 scores, which the report and the replay rely on), and a
+  ``loss.backward()`` inside ``with torch.autocast(...)`` failed in the selection's backward (index_add_ of
+  bfloat16 products into float32 gradients) where eager's runs. select, rescore and sparse_backward now compute
+  with autocast off, as documented: their fp32 scores and gradients.
 
 Tried besides, all already right: ``backward(retain_graph=True)`` twice and ``autograd.grad`` twice on a selection
 plus sparse attention (eager and aot_eager compilers: the ops' saved tensors survive, same gradients both times);
@@ -193,6 +200,55 @@ def _attention_under_no_grad(qi, ki, w, q, k, v):
 def test_no_grad_where_no_gradient_is_cut_still_rewritten(model):
     """The mask carries no gradient; an attention wholly under no_grad gives none either way."""
     _check_sites(model, _inputs(3), [SEL, _rw("causal")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Found in review: the selection ops computed in the caller's autocast dtype
+
+
+def test_found_in_review_selection_ops_compute_in_float32_under_autocast():
+    """Found in review: a custom op's body runs in its caller's autocast state, and select / rescore computed their
+    reference scores in bfloat16 there (values 6e-3 from the op's own fp32 scores: rescore under autocast no
+    longer equals select outside it, which the replay relies on)."""
+    import hyscale_compile
+
+    qi, ki, w = _inputs(8)[:3]
+    off = ki.shape[1] - qi.shape[1]
+    want, idx = hyscale_compile.indexer_topk(qi, ki, K, weights=w, scale=0.5, query_offset=off)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, got_idx = hyscale_compile.indexer_topk(qi, ki, K, weights=w, scale=0.5, query_offset=off)
+        again = torch.ops.hyscale.rescore(qi, ki, w, idx, 0.5, True, True, off, None, None, None, None, None, NEG)
+    assert torch.equal(got_idx, idx)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_found_in_review_backward_under_autocast(compiler):
+    """Found in review: ``loss.backward()`` inside an autocast region (a training loop that indents its backward
+    under ``with torch.autocast(...)``) failed in the selection's backward (index_add_ of bfloat16 products into
+    float32 gradients), where eager's runs. Now the op's gradients are its fp32 ones: eager's without autocast, and
+    eager's under it (whose einsum backward runs in bfloat16) within that rounding."""
+    from helpers import ties_by_position
+
+    def fn(qi, ki, w):
+        return _score_masked(qi, ki, w).topk(K).values
+
+    def grads(f, autocast):
+        xs = [x.clone().requires_grad_() for x in _inputs(9)[:3]]
+        values = f(*xs)
+        weights = torch.linspace(-1, 2, values.numel()).view(values.shape)
+        loss = (torch.where(values.isfinite(), values, 0) * weights).sum()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return torch.autograd.grad(loss, xs)
+
+    torch._dynamo.reset()
+    got = grads(torch.compile(fn, backend="hyscale", options={"compiler": compiler}), True)
+    with ties_by_position():
+        exact, rounded = grads(fn, False), grads(fn, True)
+    for a, b, c in zip(got, exact, rounded, strict=True):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, c, rtol=2e-2, atol=5e-2)
 
 
 # ---------------------------------------------------------------------------------------------
