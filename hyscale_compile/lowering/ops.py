@@ -21,12 +21,15 @@ score + -inf) passes it like any other, as ``+`` does in eager.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from ..runtime import dispatch
 from ..runtime.kept import kept
 from ..runtime.reference import Visibility
+from .attention import without_autocast
 
 _QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -127,6 +130,17 @@ def _prepare(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Ten
     return kx, weights
 
 
+def _own_arithmetic(t: Tensor):
+    """Autocast off for the op's own arithmetic (``attention.without_autocast``) where the caller runs under it: a
+    custom op's body, and its backward, run in the caller's autocast state (an autocast region the selection stands
+    in, compiled with the ``eager`` compiler or called by hand, an autocast around a compiled model, a backward
+    called inside one), which would round the reference's fp32 scores to the autocast dtype (and fail its backward).
+    Nothing is entered where autocast is off: the check costs a decode step nothing."""
+    if t.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(t.device.type):
+        return without_autocast(t.device)
+    return contextlib.nullcontext()
+
+
 def _vis(causal, offset, offsets, starts, ends, mask, bias, rows=None, causal_additive=False) -> Visibility:
     if rows is not None:  # windows may broadcast over batch or query rows: give kernels full [B, T] views
         starts = starts.expand(*rows) if starts is not None else None
@@ -149,7 +163,8 @@ def select_body(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: fl
     vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2], causal_additive=causal_additive)
     kx, weights = _prepare(q, kx, weights)
     impl = dispatch.kernels_for(q)
-    return impl.select(q, kx, weights, k, scale, relu, vis, fill, sorted=sorted)
+    with _own_arithmetic(q):
+        return impl.select(q, kx, weights, k, scale, relu, vis, fill, sorted=sorted)
 
 
 select = torch.library.custom_op("hyscale::select", mutates_args=())(select_body)
@@ -193,7 +208,8 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
     check_inputs(q, kx, weights, None, offsets, starts, ends, mask, bias, indices)
     vis = _vis(causal, offset, offsets, starts, ends, mask, bias, rows=q.shape[:2], causal_additive=causal_additive)
     kx, weights = _prepare(q, kx, weights)
-    return dispatch.kernels_for(q).rescore(q, kx, weights, indices, scale, relu, vis, fill)
+    with _own_arithmetic(q):
+        return dispatch.kernels_for(q).rescore(q, kx, weights, indices, scale, relu, vis, fill)
 
 
 @rescore.register_fake
@@ -213,9 +229,10 @@ def sparse_backward(grad_values: Tensor, q: Tensor, kx: Tensor, weights: Tensor 
                     starts: Tensor | None, ends: Tensor | None, mask: Tensor | None, low_precision: bool = False
                     ) -> tuple[Tensor, Tensor, Tensor]:
     vis = _vis(causal, offset, offsets, starts, ends, mask, None, rows=q.shape[:2])
-    dq, dkx, dw = dispatch.backward_kernels_for(q).sparse_backward(
-        grad_values, q, kx, weights, indices, scale, relu, vis,
-        deterministic=torch.are_deterministic_algorithms_enabled(), low_precision=low_precision)
+    with _own_arithmetic(q):
+        dq, dkx, dw = dispatch.backward_kernels_for(q).sparse_backward(
+            grad_values, q, kx, weights, indices, scale, relu, vis,
+            deterministic=torch.are_deterministic_algorithms_enabled(), low_precision=low_precision)
     return dq, dkx, (dw if dw is not None else q.new_empty((0,), dtype=torch.float32))
 
 

@@ -30,7 +30,20 @@ from . import attention_rewrite as rewrite_
 from . import attention_sites as sites_
 from . import debug, inplace, regions, selection
 from .attention_mla import NotLatent, match
-from .graph_ops import Aliases, arg, dtype, first_write, mutates, op_name, shape, source_line, value, written_by
+from .graph_ops import (
+    Aliases,
+    arg,
+    dtype,
+    first_write,
+    grad_enabled_at,
+    mutates,
+    op_name,
+    requires_grad,
+    shape,
+    source_line,
+    value,
+    written_by,
+)
 from .index_expr import Reject
 from .report import SiteReport, human_bytes, record, symbolic_bytes
 from .sites import describe
@@ -89,6 +102,7 @@ def _run_site(gm: fx.GraphModule, graph_name: str, scatter: fx.Node, always: boo
         latent, why_not = _latent(site)
         check_no_mutation_between(site, plan)
         check_no_mutation_across(site)
+        check_grad_mode(site)
         estimate = _check_pays(site, latent, always, why_not)
         layout, notes = _layout(site, latent), _notes(site, plan, latent, why_not)
         notes.append(estimate)
@@ -262,6 +276,29 @@ def check_no_mutation_across(site: sites_.Site) -> None:
             raise Reject(f"{describe(n)} at {source_line(n)} may change the indices ({x.name}) on their way from the "
                          "top-k into the checkpointed region of the attention, where the op would read them as the "
                          "top-k made them", site.scatter)
+
+
+def check_grad_mode(site: sites_.Site) -> None:
+    """The op runs where the attention's product with v does, in its grad mode, and sends q and k the gradient of
+    the scores wherever they require it; eager's autograd only where every step from the q.k^T product to that
+    product ran with grad enabled. A step under ``torch.no_grad()`` (the logits, the mask arithmetic on them, the
+    softmax) cuts q's and k's gradient there, which the op would carry through. (SDPA is one call; an attention
+    under no_grad gives no gradient either way.)"""
+    att = site.attention
+    if att.kind != "eager" or not grad_enabled_at(att.node) or not any(
+            requires_grad(x) for x in (att.q, att.k)):
+        return
+    steps, todo = set(att.nodes), [att.logits]
+    while todo:  # the mask arithmetic the scores go through on their way to the softmax
+        for u in todo.pop().users:
+            if u in site.chain and u not in steps:
+                steps.add(u)
+                todo.append(u)
+    for n in site.scatter.graph.nodes:
+        if n in steps and not grad_enabled_at(n):
+            raise Reject(f"{describe(n)} at {source_line(n)} runs under torch.no_grad(), which cuts the gradient of q "
+                         "and k in eager's attention, and the op, run where the product with v is, with grad enabled, "
+                         "would carry it through", site.scatter)
 
 
 def latent_write(site: sites_.Site, latent) -> str | None:

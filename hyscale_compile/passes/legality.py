@@ -8,6 +8,7 @@ attention patterns in ``fx_passes/fuse_attention.py``):
   ``full_like(score, ...)`` reads the shape only) reads the score table or an intermediate of it;
 * ``check_no_mutation_between``: nothing writes q, k, weights or masks between the score and the selection;
 * ``check_gathered_indices``: a gather at the selected indices reads them as the selection returned them;
+* ``check_grad_mode``: a gather (or a sort's slice) the op's values stand for runs in the top-k's grad mode;
 * ``check_operands``: the inputs are 16/32-bit floats and the keys carry the queries' batch;
 * ``check_additive_order``: a tensor added after a masked fill keeps eager's IEEE values;
 * ``gradient_cuts``: which inputs eager's autograd never reaches from the selected values (``detach``,
@@ -22,6 +23,7 @@ from torch import fx
 from .graph_ops import (
     Aliases,
     dtype,
+    grad_enabled_at,
     is_one,
     is_tensor,
     mutates,
@@ -124,6 +126,34 @@ def check_gathered_indices(site: Site) -> None:
                              f"{describe(g)} at {source_line(g)} reads the score at them, so that gather reads other "
                              "positions than the selected ones and needs the score table; gather before changing the "
                              "indices, or change a copy (idx.clone())", site.topk)
+
+
+def check_grad_mode(site: Site) -> None:
+    """The op's values, made where the top-k runs and in its grad mode, stand for every gather of the score at the
+    selected indices and every ``[..., :k]`` slice of a sort's values; eager makes each of those where it runs. A
+    top-k under ``torch.no_grad()`` whose indices a gather outside it reads (the loss on the selected scores: a
+    selection is not differentiable, so code selects under no_grad) gives a gather that carries the score's
+    gradient, where the op's values would carry none; a gather under no_grad after a top-k outside it, one that
+    carries none, where the op's values would. (A top-k's own values are its output: made in its mode either way.)"""
+    if not requires_grad(site.score_node):
+        return  # the score carries no gradient: nothing read from it does, in any mode
+    mode = grad_enabled_at(site.topk)
+    # a slice is a view: it carries a gradient where the sort's values do and it is taken with grad enabled
+    slices = [v for v in site.values if v.args[0] is not site.topk] if mode else []
+    for n in (*site.gathers, *slices):
+        if grad_enabled_at(n) == mode:
+            continue
+        what = "slice of the sorted scores" if n in site.values else describe(n)
+        if mode:
+            why = (f"the {what} at {source_line(n)} runs under torch.no_grad() and the {op_name(site.topk)} with "
+                   f"grad enabled: eager's {what} carries no gradient, the selection's values would carry one; "
+                   "read it with grad enabled and .detach() it")
+        else:
+            why = (f"the {op_name(site.topk)} runs under torch.no_grad() and the {what} at {source_line(n)} with "
+                   f"grad enabled: eager's {what} carries the score's gradient, the selection's values, made under "
+                   f"no_grad, would carry none; take the {op_name(site.topk)} with grad enabled (its indices carry no "
+                   "gradient either way)")
+        raise Reject(why, site.topk)
 
 
 _NEW_TENSORS = ("ones", "zeros", "full", "arange", "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros",

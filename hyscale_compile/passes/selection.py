@@ -69,6 +69,7 @@ def _run_site(gm: fx.GraphModule, graph_name: str, node: fx.Node) -> SiteReport:
         metadata_readers = legality.check_readers(site, sc)
         legality.check_no_mutation_between(site, sc)
         legality.check_gathered_indices(site)
+        legality.check_grad_mode(site)
         legality.check_additive_order(sc, site.topk, [b for b in sc.bias if not any(b is p for p in plan.bias)])
         cuts = legality.gradient_cuts(sc, site.score_node)
         # The op's unsorted order is that of atomic appends (not reproducible), so a model's own
