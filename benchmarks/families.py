@@ -23,8 +23,8 @@ hyscale_graph_ms (the same call replayed from a CUDA graph: what a decode engine
 own route rule, hyscale_graph_table_route), hyscale_pipeline_ms / hyscale_pipeline_graph_ms, hyscale_table_ms /
 hyscale_table_graph_ms (the table ranked by torch.topk), hyscale_table_row_ms / _graph_ms and hyscale_table_split_ms
 / _graph_ms (by table_rank.py, one program a row or the pass split) (at T <= 256: each route and ranker forced,
-eager and replayed, so that the rules are checked where they decide; hyscale_ranker / hyscale_graph_ranker are
-the plan's rankers, uncaptured and captured; routes_equal whether all four gave the same bits),
+eager and replayed, so that the rules are checked where they decide; hyscale_ranker is the plan's ranker on the
+table route; routes_equal whether all four gave the same bits),
 hyscale_unsorted_ms (sorted=False, what an order-free site runs), table_topk_ms (our fused score kernel
 writing the fp32 table, then torch.topk; at T <= 256, where the calls are host-bound, timed interleaved with
 hyscale_ms), peer_topk_ms / peer (the table, then the fastest of FlashInfer's
@@ -192,20 +192,19 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
         row["hyscale_unsorted_ms"] = round(median_ms(lambda: hy(False)), 4)
     if T <= 256:  # each route forced, eager and replayed: the measurements behind the route rules
         row["hyscale_graph_table_route"] = plan.table_route(B * T, S, captured=True)
-        row["hyscale_ranker"] = plan.table_ranker(k, S)
-        row["hyscale_graph_ranker"] = plan.table_ranker(k, S, captured=True)
-        rules = plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED, plan.RANK_SPLIT
+        row["hyscale_ranker"] = plan.table_ranker(k, B * T, S)
+        rules = plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_SPLIT_MAX_ROWS, plan.RANK_SPLIT
         got = {}
         big = 1 << 62
-        for route, forced in (("pipeline", (0, 0, 0, False)), ("table", (big, 0, 0, False)),
-                              ("table_row", (big, big, big, False)), ("table_split", (big, 0, 0, True))):
-            plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED, plan.RANK_SPLIT = forced
+        for route, forced in (("pipeline", (0, 0, 0, False)), ("table", (big, 0, big, False)),
+                              ("table_row", (big, big, 0, False)), ("table_split", (big, 0, big, True))):
+            plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_SPLIT_MAX_ROWS, plan.RANK_SPLIT = forced
             try:
                 got[route] = hy()
                 row[f"hyscale_{route}_ms"] = round(median_ms(hy), 4)
                 row[f"hyscale_{route}_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, f"{route} graph"))
             finally:
-                plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED, plan.RANK_SPLIT = rules
+                plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_SPLIT_MAX_ROWS, plan.RANK_SPLIT = rules
         row["routes_equal"] = all(_same(got["pipeline"], got[r]) for r in ("table", "table_row", "table_split"))
     if T > 256:
         row["table_topk_ms"] = round(median_ms(plain), 4)

@@ -67,9 +67,8 @@ def select(q: Tensor, kx: Tensor, weights: Tensor | None, k: int, scale: float, 
         return (torch.empty(B, T, k, dtype=torch.float32, device=q.device),
                 torch.empty(B, T, k, dtype=torch.int64, device=q.device))
     pb = Problem(q, kx, weights, scale, relu, vis, fill, tuning.tile)
-    captured = capturing(pb.device)
-    table = table_route(pb.rows, pb.S, tuning, captured=captured)
-    plan = table_plan(k, table_ranker(k, pb.S, tuning, captured=captured)) if table else make_plan(pb, k, tuning)
+    table = table_route(pb.rows, pb.S, tuning, captured=capturing(pb.device))
+    plan = table_plan(k, table_ranker(k, pb.rows, pb.S, tuning)) if table else make_plan(pb, k, tuning)
     if plan.table:  # a small problem: its composite table and torch.topk (table_path.py)
         return table_path.select(pb, plan, sorted)
     buf, used = candidates(pb, plan)

@@ -27,21 +27,20 @@ RESERVED_APPEND_MAX_HEADS = 32  # up to this many heads the filter reserves slot
 # (benchmarks/NOTES-selection.md, "Defaults and the measurements behind them": table route).
 TABLE_MAX_BYTES = 32 << 20
 # An uncaptured call pays its host work every time, and at these sizes that is most of it: the pipeline issues
-# six launches and a few dozen torch ops, the table route two launches and torch.topk. So an uncaptured call
-# takes the table route up to EAGER_TABLE_FACTOR times TABLE_MAX_BYTES, where writing the table still costs the
-# device less than the pipeline's host work takes (NOTES-selection.md, "Defaults ...": table route). A call
-# captured into a CUDA graph pays no host work on replay, and its graph would keep the table in its pool for
-# good: there the device-time rule stands.
-EAGER_TABLE_FACTOR = 4
+# six launches and a few dozen torch ops, the table route two to four launches. So an uncaptured call takes the
+# table route up to EAGER_TABLE_FACTOR times TABLE_MAX_BYTES, where writing the table still costs the device
+# less than the pipeline's host work takes (NOTES-selection.md, "Defaults ...": table route). A call captured
+# into a CUDA graph pays no host work on replay, and its graph would keep the table in its pool for good: there
+# the device-time rule stands.
+EAGER_TABLE_FACTOR = 8
 # The table route ranks its table with a ranker of its own (table_rank.py) instead of torch.topk and the values
 # launch: on a decode step torch.topk over int64 is some 34 kernels of host work. Up to RANK_MAX_KEYS keys a row,
-# one launch of one program a row ("row"); past that one program is slower on the device than torch.topk's
-# passes, which spread a row over many SMs, and the row's pass is split over programs ("split": three launches).
-# A captured call pays no host work on replay: there device time decides, and the one-program ranker's is below
-# torch.topk's up to RANK_MAX_KEYS_CAPTURED keys (NOTES-selection.md, "Defaults ...": table ranker).
-RANK_MAX_KEYS = 131072
-RANK_MAX_KEYS_CAPTURED = 32768
-RANK_SPLIT = True  # rows past those: the split ranker (False: torch.topk)
+# one launch of one program a row ("row"); past that, where the rows are too few to fill the device (fewer than
+# RANK_SPLIT_MAX_ROWS), the row's pass is split over programs ("split": three launches), faster on the device than
+# one program a row and than torch.topk's passes (NOTES-selection.md, "Defaults ...": table ranker).
+RANK_MAX_KEYS = 32768
+RANK_SPLIT_MAX_ROWS = 128  # about the H200's 132 SMs: from there one program a row keeps them all busy
+RANK_SPLIT = True  # False: torch.topk where the rules would split
 RANKERS = ("topk", "row", "split")
 
 
@@ -119,10 +118,10 @@ def table_plan(k: int, ranker: str = "topk") -> Plan:
                 append=0, asm=False, filter_options={}, row_lists=False, table=True, ranker=ranker)
 
 
-def table_ranker(k: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool = False) -> str:
-    """What ranks a table-route call's table (one of RANKERS): table_rank.py's one program a row up to
-    RANK_MAX_KEYS keys (RANK_MAX_KEYS_CAPTURED in a call being ``captured``), its split pass past that (with
-    RANK_SPLIT), where its in-register sort holds the k winners; else torch.topk. Not under the interpreter by
+def table_ranker(k: int, rows: int, S: int, tuning: Tuning = DEFAULT) -> str:
+    """What ranks a table-route call's table of ``rows`` rows of S keys (one of RANKERS): where its in-register sort
+    holds the k winners, table_rank.py's one program a row up to RANK_MAX_KEYS keys or from RANK_SPLIT_MAX_ROWS
+    rows, its split pass for fewer, longer rows (with RANK_SPLIT); else torch.topk. Not under the interpreter by
     default, where its sorts are slow: tests there ask for a ranker with a tuning's ``ranker``."""
     if tuning.ranker is not None:
         if tuning.ranker not in RANKERS:
@@ -130,7 +129,7 @@ def table_ranker(k: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool = F
         return tuning.ranker
     if k > SORT_MAX or interpreting():
         return "topk"
-    if S <= (RANK_MAX_KEYS_CAPTURED if captured else RANK_MAX_KEYS):
+    if S <= RANK_MAX_KEYS or rows >= RANK_SPLIT_MAX_ROWS:
         return "row"
     return "split" if RANK_SPLIT else "topk"
 

@@ -182,11 +182,11 @@ def _problem(B, T, S, H=64, D=128):
 
 
 def test_plan_routes_decode_to_the_table_and_prefill_to_the_pipeline():
-    # the plan of an uncaptured call (a CPU call never is captured): the table route up to 4x the captured limit
+    # the plan of an uncaptured call (a CPU call never is captured): the table route up to 8x the captured limit
     for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 64, 131072), (1, 256, 32768), (1, 16, 1 << 20),
-                    (8, 1, 131072)]:
+                    (8, 1, 131072), (1, 256, 131072), (1, 32, 1 << 20)]:
         assert make_plan(_problem(B, T, S), 2048).table, (B, T, S)
-    for B, T, S in [(1, 4096, 131072), (1, 256, 131072), (1, 64, 1 << 20), (2, 4096, 8192), (2, 128, 131072)]:
+    for B, T, S in [(1, 4096, 131072), (1, 512, 131072), (1, 64, 1 << 20), (2, 4096, 8192), (2, 256, 131072)]:
         assert not make_plan(_problem(B, T, S), 2048).table, (B, T, S)
     limit = plan.TABLE_MAX_BYTES // 8  # keys of one row whose int64 table fills the captured limit
     assert plan.table_route(1, limit, captured=True) and not plan.table_route(1, limit + 1, captured=True)
@@ -316,19 +316,18 @@ def test_own_ranker_is_topk_of_the_composites(kw):
 
 
 def test_plan_picks_the_ranker(monkeypatch):
-    """Off the interpreter the table route ranks rows of up to RANK_MAX_KEYS keys (RANK_MAX_KEYS_CAPTURED captured)
-    with one program a row, longer ones with the split pass, k past the in-register sort with torch.topk; a
-    tuning forces any, and names one of them."""
+    """Off the interpreter the table route ranks rows of up to RANK_MAX_KEYS keys with one program a row, and so
+    from RANK_SPLIT_MAX_ROWS rows; fewer, longer rows with the split pass; k past the in-register sort with
+    torch.topk. A tuning forces any, and names one of them."""
     monkeypatch.setattr(plan, "interpreting", lambda: False)
-    top, top_captured = plan.RANK_MAX_KEYS, plan.RANK_MAX_KEYS_CAPTURED
-    assert plan.table_ranker(2048, top) == "row" and plan.table_ranker(2048, top + 1) == "split"
-    assert plan.table_ranker(2048, top_captured, captured=True) == "row"
-    assert plan.table_ranker(2048, top_captured + 1, captured=True) == "split"
-    assert plan.table_ranker(4096, 32768) == "topk"  # past final_sort.SORT_MAX
+    top, rows = plan.RANK_MAX_KEYS, plan.RANK_SPLIT_MAX_ROWS
+    assert plan.table_ranker(2048, 1, top) == "row" and plan.table_ranker(2048, 1, top + 1) == "split"
+    assert plan.table_ranker(2048, rows - 1, 1 << 20) == "split" and plan.table_ranker(2048, rows, top + 1) == "row"
+    assert plan.table_ranker(4096, 1, 32768) == "topk"  # past final_sort.SORT_MAX
     monkeypatch.setattr(plan, "RANK_SPLIT", False)
-    assert plan.table_ranker(2048, top + 1) == "topk"
-    assert plan.table_ranker(2048, 1 << 20, ROW_RANK) == "row" and plan.table_ranker(2048, 32768, TABLE) == "topk"
+    assert plan.table_ranker(2048, 1, top + 1) == "topk"
+    assert plan.table_ranker(2048, 1, 1 << 20, ROW_RANK) == "row" and plan.table_ranker(2048, 1, 32768, TABLE) == "topk"
     with pytest.raises(ValueError, match="Tuning.ranker"):
-        plan.table_ranker(2048, 32768, Tuning(ranker="radix"))
+        plan.table_ranker(2048, 1, 32768, Tuning(ranker="radix"))
     monkeypatch.undo()
-    assert plan.table_ranker(2048, 32768) == "topk"  # the interpreter's default
+    assert plan.table_ranker(2048, 1, 32768) == "topk"  # the interpreter's default
