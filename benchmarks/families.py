@@ -87,7 +87,7 @@ def family_inputs(family: str, B: int, T: int, S: int, H: int, device: str, seed
     return q.bfloat16(), kx.bfloat16(), (None if family == "per_head" else w)
 
 
-def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+def median_ms(fn, reps: int = 21, warmup: int = 3) -> float:
     if not torch.cuda.is_available():
         import time
 
@@ -95,24 +95,22 @@ def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return paired_ms((fn,), reps, warmup)[0]
+
+
+def event_ms(fn) -> float:
+    """One call, ms between events recorded around it (its host work included where it bounds the call)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
 
 
 def paired_ms(fns, reps: int = 60, warmup: int = 3) -> list[float]:
-    """Median ms of each of ``fns``, timed in turn within each repetition (median_ms's way on CUDA): where the
-    host's speed drifts during a run (this device's host moves 30-50% between runs), each call sees the same."""
+    """Median ms (event_ms) of each of ``fns`` on CUDA, timed in turn within each repetition: where the host's
+    speed drifts during a run (this device's host moves 30-50% between runs), each call sees the same."""
     if not torch.cuda.is_available():
         return [median_ms(fn) for fn in fns]
     for _ in range(warmup):
@@ -122,12 +120,7 @@ def paired_ms(fns, reps: int = 60, warmup: int = 3) -> list[float]:
     times = [[] for _ in fns]
     for _ in range(reps):
         for fn, got in zip(fns, times):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            got.append(a.elapsed_time(b))
+            got.append(event_ms(fn))
     return [sorted(got)[len(got) // 2] for got in times]
 
 

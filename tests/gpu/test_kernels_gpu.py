@@ -41,6 +41,28 @@ def same(a, b) -> bool:
     return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
+def sync_free_and_replayed(call):
+    """``call()`` once with synchronization as an error, then captured into a CUDA graph (after a warm-up on a side
+    stream) and replayed; returns (what the sync-free call returned, what the replay wrote)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, out
+
+
 def check_exact(q, kx, w, k, vis, fill=NEG_INF, relu=True, scale=0.5, over=None):
     """The pipeline (``over``, or forced) against the reference, and the table route the same bits."""
     hytopk, reference, _ = _mods()
@@ -171,23 +193,7 @@ def test_recovery_sync_free_and_graph_capture():
         return hytopk.select(q, kx, w, 512, 0.5, True, vis, NEG_INF, tuning=small)
 
     ref = select()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = select()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        select()  # warm up on the capture stream
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = select()
-    graph.replay()
-    torch.cuda.synchronize()
-    for out in (again, captured):
+    for out in sync_free_and_replayed(select):
         assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)) and torch.equal(out[1], ref[1])
 
 
@@ -249,22 +255,7 @@ def test_table_route_at_decode_shapes(T, S, H):
     assert torch.equal(order.values, want.values)
     assert torch.equal(uv.gather(-1, order.indices).view(torch.int32), v.gather(-1, want.indices).view(torch.int32))
     table = tuning(table=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=table)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=table)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gv, gi = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=table)
-    graph.replay()
-    torch.cuda.synchronize()
+    _, (gv, gi) = sync_free_and_replayed(lambda: hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=table))
     assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)
     # the default route of a captured call, which differs from the uncaptured one past TABLE_MAX_BYTES
     assert plan_mod.table_route(T, S, captured=True) == (T * S * 8 <= plan_mod.TABLE_MAX_BYTES)
@@ -325,28 +316,13 @@ def test_own_ranker_sync_free_and_in_a_graph(ranker):
     vis = Visibility(causal=True, offset=S - T)
     own = tuning(table=True, ranker=ranker)
     v, i = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gv, gi = hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
-    graph.replay()
-    torch.cuda.synchronize()
+    _, (gv, gi) = sync_free_and_replayed(lambda: hytopk.select(q, kx, w, 2048, 0.1, True, vis, NEG_INF, tuning=own))
     assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)
 
 
 def test_eager_indexer_topk_calls_the_body_sync_free_and_in_a_graph():
     """The by-hand decode call runs the op's body without the op's dispatch: the op's bits, no sync, and it
-    captures in a CUDA graph (the table route: its two launches and torch.topk)."""
+    captures in a CUDA graph (the table route: its two launches)."""
     import hyscale_compile
 
     T, S, H = 4, 32768, 64
@@ -362,20 +338,5 @@ def test_eager_indexer_topk_calls_the_body_sync_free_and_in_a_graph():
     ov, oi = torch.ops.hyscale.select(q, kx, w, 2048, 0.1, True, True, S - T, None, None, None, None, None, NEG_INF,
                                       True)
     assert torch.equal(v.view(torch.int32), ov.view(torch.int32)) and torch.equal(i, oi)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gv, gi = call()
-    graph.replay()
-    torch.cuda.synchronize()
+    _, (gv, gi) = sync_free_and_replayed(call)
     assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)
