@@ -19,7 +19,8 @@ SCRIPTS = ["selection.py", "training.py", "context_parallel.py", "precision.py",
            "families.py", "decode_host.py", "tuning/tune_selection.py",
            "tuning/tune_descriptors.py", "tuning/tune_floor_ws.py", "tuning/tune_replay.py", "tuning/tune_rescore.py",
            "tuning/recovery.py",
-           "tuning/host_overhead.py", "tuning/candidate_target.py", "tuning/tune_sparse_backward.py"]
+           "tuning/host_overhead.py", "tuning/candidate_target.py", "tuning/tune_sparse_backward.py",
+           "tuning/host_pieces.py"]
 LIBRARIES = ["floor.py", "host_timers.py", "peers/__init__.py", "peers/__main__.py"]  # imported by the scripts, not run
 
 
