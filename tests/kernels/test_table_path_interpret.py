@@ -331,3 +331,63 @@ def test_plan_picks_the_ranker(monkeypatch):
         plan.table_ranker(2048, 1, 32768, Tuning(ranker="radix"))
     monkeypatch.undo()
     assert plan.table_ranker(2048, 1, 32768) == "topk"  # the interpreter's default
+
+
+def _pass_counts(row: torch.Tensor, samples: int, ranks: tuple[int, int]) -> tuple[int, int]:
+    """(sure winners, list entries) of table_rank's pass over one row of composites, on the host: the pivots are
+    ranks of the sorted strided sample (no rank there: no hi pivot, every entry >= lo)."""
+    W = row.numel()
+    samp = row[(torch.arange(samples) * W) // samples].sort(descending=True).values
+    hi = samp[ranks[0]].item() if 0 <= ranks[0] < samples else None
+    lo = samp[ranks[1]].item() if 0 <= ranks[1] < samples else None
+    sure = row >= hi if hi is not None else torch.zeros_like(row, dtype=torch.bool)
+    mid = ~sure & (row >= lo if lo is not None else True)
+    return int(sure.sum()), int(mid.sum())
+
+
+@pytest.mark.parametrize("split", [None, 32])
+def test_own_ranker_at_the_fast_paths_edges(split):
+    """The fast path with its sure winners spread over several chunks (and programs, split), at each edge of its
+    test n_hi < k <= n_hi + n_mid, n_mid <= cap: k = n_hi + 1 (one winner from the list), k = n_hi + n_mid (the
+    whole list), the list exactly full, and one past each edge (k = n_hi: the winners fill the output before the
+    slow path rewrites it; k past the list; the list one short, its entries dropped). The counts are checked on the
+    host, so the case keeps its path if the sizes change."""
+    from hyscale_compile.runtime.final_sort import decode
+    from hyscale_compile.runtime.table_rank import rank
+
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(2, 300, generator=g)
+    v[1] = torch.randint(0, 5, (300,), generator=g).float()  # ties: the list's k-th among equal values
+    comp = _composites(v)
+    sizes = dict(samples=32, chunk=32, list_chunk=32, warps=1, ranks=(8, 20), split=split)
+    n_hi, n_mid = _pass_counts(comp[0], 32, (8, 20))
+    assert n_hi > 2 * 32 and n_mid > 32, (n_hi, n_mid)  # sure winners in three chunks, a list of two or more
+    cases = [(n_hi + 1, n_mid, True), (n_hi + n_mid, n_mid, True), (n_hi + 5, n_mid - 1, False), (n_hi, n_mid, False),
+             (n_hi + n_mid + 1, n_mid, False)]
+    for k, cap, fast in cases:
+        assert (n_hi < k <= n_hi + n_mid and n_mid <= cap) is fast  # row 0's path; row 1's is whichever
+        got_v, got_i = rank(comp, k, cap=cap, **sizes)
+        want_v, want_i = decode(torch.topk(comp, k, dim=-1).values)
+        assert torch.equal(bits(got_v), bits(want_v)) and torch.equal(got_i, want_i), (k, cap, split)
+
+
+def test_own_ranker_short_rows_and_shapes():
+    """Rows shorter than the sample (it repeats entries), of one key, k = 1 and k = W, ties across the sample's
+    repeats; any leading dims (none, several, an empty one) give torch.topk's shapes."""
+    from hyscale_compile.runtime.final_sort import decode
+    from hyscale_compile.runtime.table_rank import rank
+
+    g = torch.Generator().manual_seed(9)
+    for W in (1, 2, 3, 5, 15):
+        comp = _composites(torch.randint(0, 2, (2, W), generator=g).float())
+        for k in sorted({1, (W + 1) // 2, W}):
+            for kw in ({}, dict(split=64)):
+                got_v, got_i = rank(comp, k, **kw)
+                want_v, want_i = decode(torch.topk(comp, k, dim=-1).values)
+                assert torch.equal(bits(got_v), bits(want_v)) and torch.equal(got_i, want_i), (W, k, kw)
+    for shape in ((9,), (1, 2, 1, 9), (2, 0, 9), (0, 9)):
+        comp = _composites(torch.randn(shape, generator=g))
+        got_v, got_i = rank(comp, 4)
+        want_v, want_i = decode(torch.topk(comp, 4, dim=-1).values)
+        assert got_v.shape == got_i.shape == want_i.shape, shape
+        assert torch.equal(bits(got_v), bits(want_v)) and torch.equal(got_i, want_i), shape
