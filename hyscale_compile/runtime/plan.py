@@ -126,6 +126,8 @@ def table_ranker(k: int, rows: int, S: int, tuning: Tuning = DEFAULT) -> str:
     if tuning.ranker is not None:
         if tuning.ranker not in RANKERS:
             raise ValueError(f"Tuning.ranker: {tuning.ranker!r} is none of {RANKERS}")
+        if tuning.ranker != "topk" and k > SORT_MAX:
+            raise ValueError(f"Tuning.ranker: {tuning.ranker!r} sorts at most {SORT_MAX} winners, k is {k}")
         return tuning.ranker
     if k > SORT_MAX or interpreting():
         return "topk"

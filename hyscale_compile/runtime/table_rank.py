@@ -162,6 +162,8 @@ def rank(comp: Tensor, k: int, *, split: int | None = None, samples: int | None 
          list_chunk: int | None = None, warps: int | None = None) -> tuple[Tensor, Tensor]:
     """(values fp32 [..., k], positions int64 [..., k]) of the k largest composites of each row of ``comp``
     [..., W] (contiguous int64, 1 <= k <= W, k <= final_sort.SORT_MAX), ordered by value desc, position asc.
+    Composites as the table kernel writes them: an order key above INT32_MIN (the lowest, -inf's, is 0x807FFFFF;
+    the final select's steps take INT32_MIN for an empty slot) and a position below 2**31.
 
     One program a row; with ``split``, a row's pass is spread over programs of ``split`` composites each (a
     multiple of the chunk) and a second launch finishes each row (for rows too long for one SM). The other

@@ -329,6 +329,8 @@ def test_plan_picks_the_ranker(monkeypatch):
     assert plan.table_ranker(2048, 1, 1 << 20, ROW_RANK) == "row" and plan.table_ranker(2048, 1, 32768, TABLE) == "topk"
     with pytest.raises(ValueError, match="Tuning.ranker"):
         plan.table_ranker(2048, 1, 32768, Tuning(ranker="radix"))
+    with pytest.raises(ValueError, match="at most 2048 winners"):
+        plan.table_ranker(4096, 1, 32768, ROW_RANK)
     monkeypatch.undo()
     assert plan.table_ranker(2048, 1, 32768) == "topk"  # the interpreter's default
 
