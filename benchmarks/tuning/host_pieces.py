@@ -28,6 +28,7 @@ import triton.language as tl
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 sys.path.insert(0, str(HERE.parent))
+import families  # noqa: E402
 import floor  # noqa: E402
 from training import write_results  # noqa: E402
 
@@ -68,35 +69,18 @@ def host_us(fn, calls: int, repeats: int) -> tuple[float, float]:
     return round(runs[0], 1), round(runs[len(runs) // 2], 1)
 
 
-def event_us(fn, reps: int = 21) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return round(sorted(times)[reps // 2], 1)
+def event_us(fn) -> float:
+    """Median microseconds between events around one call (families.median_ms)."""
+    return round(families.median_ms(fn) * 1e3, 1)
 
 
 def graph_us(fn) -> float | None:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
+    """Median microseconds of the call replayed from a CUDA graph (families.graph_ms), None where it fails to
+    capture."""
     try:
-        with torch.cuda.graph(graph):
-            fn()
+        return round(families.graph_ms(fn) * 1e3, 1)
     except RuntimeError:
         return None
-    return event_us(graph.replay)
 
 
 def kernels(fn) -> int:
