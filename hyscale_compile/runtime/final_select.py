@@ -166,6 +166,35 @@ def _emit(ptr, n, seam, jump, K, V, dst, RAW: tl.constexpr, CH: tl.constexpr, TP
 
 
 @triton.jit
+def pivot_pair(samp, j, i_hi, i_lo):
+    """(hi, lo): the entries of ranks i_hi and i_lo of a sample sorted descending (j its ranks). No such rank, or
+    an empty slot there: hi admits no sure winner, lo every entry but the empties."""
+    hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
+    hi = tl.where(hi == _MIN, _MAX, hi)
+    lo = tl.maximum(tl.max(tl.where(j == i_lo, samp, _MIN), axis=0), _MIN + 1)
+    return hi, lo
+
+
+@triton.jit
+def classify(x, hi, lo, TPB: tl.constexpr):
+    """A chunk's sure winners (>= hi) and list entries ([lo, hi)): (sure, mid, their slots in the chunk packed as
+    sure + (mid << 16), the chunk's two counts packed the same way)."""
+    sure = x >= hi
+    mid = (x >= lo) & (x < hi)
+    before, tot = _slots(sure.to(tl.int32) + (mid.to(tl.int32) << 16), TPB)  # both counts, one scan
+    return sure, mid, before, tot
+
+
+@triton.jit
+def place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap):
+    """The chunk's sure winners to dst from slot n_hi, its list entries to scr from slot n_mid (none past k or cap)."""
+    s_slot = n_hi + (before & 0xFFFF)
+    m_slot = n_mid + (before >> 16)
+    tl.store(dst + s_slot, x, mask=sure & (s_slot < k))
+    tl.store(scr + m_slot, x, mask=mid & (m_slot < cap))
+
+
+@triton.jit
 def _decode_in_place(dst, val, k, CH: tl.constexpr):
     """dst[0:k] composites -> val[0:k] values and dst[0:k] positions, where they lie, CH at a time
     (each entry is read and rewritten by the same thread: one barrier, before, is enough)."""
@@ -221,20 +250,13 @@ def final_select_kernel(buf_ptr, used_ptr, tail_ptr, out_ptr, val_ptr, scr_ptr, 
                         lcap = cap
         p = (j.to(tl.int64) * W) // S  # the pivots sample the physical row: unused slots count as empty
         samp = tl.sort(_raw_comps(src, p, (p < seam) | ((p >= C) & (p - jump < n))), descending=True)
-        hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
-        hi = tl.where(hi == _MIN, _MAX, hi)  # no such rank, or an empty slot: nothing is a sure winner
-        lo = tl.maximum(tl.max(tl.where(j == i_lo, samp, _MIN), axis=0), _MIN + 1)  # never admit empties
+        hi, lo = pivot_pair(samp, j, i_hi, i_lo)
         n_hi = tl.zeros((), dtype=tl.int32)
         n_mid = tl.zeros((), dtype=tl.int32)
         for c0 in range(0, n, CH):
             x = _comps(src, c0 + tl.arange(0, CH), n, seam, jump, True)
-            sure = x >= hi
-            mid = (x >= lo) & (x < hi)
-            before, tot = _slots(sure.to(tl.int32) + (mid.to(tl.int32) << 16), TPB)  # both counts, one scan
-            s_slot = n_hi + (before & 0xFFFF)
-            m_slot = n_mid + (before >> 16)
-            tl.store(dst + s_slot, x, mask=sure & (s_slot < k))
-            tl.store(scr + m_slot, x, mask=mid & (m_slot < lcap))
+            sure, mid, before, tot = classify(x, hi, lo, TPB)
+            place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, lcap)
             n_hi += tot & 0xFFFF
             n_mid += tot >> 16
         fast = (n_hi < k) & (n_hi + n_mid >= k) & (n_mid <= lcap)

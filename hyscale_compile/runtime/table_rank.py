@@ -25,11 +25,10 @@ from torch import Tensor
 
 from .env import interpreting
 from .final_pivots import SAMPLE, pivot_ranks
-from .final_select import _emit, _kth, _slots
+from .final_select import INT64_MAX, _emit, _kth, classify, pivot_pair, place
 from .final_sort import _sort_decode, sort_width
 from .score_tile import INT64_MIN
 
-INT64_MAX = 2**63 - 1
 RANK_WARPS = 16  # a row per program: the pass, the list and the sort of k = 2048 winners all want the SM's width
 RANK_CHUNK = 4096  # composites a step of the pass over a row (8 a thread at 16 warps)
 RANK_LIST_CHUNK = 512  # entries a step over the list
@@ -37,6 +36,7 @@ SPLIT_KEYS = 32768  # composites a program of the split pass (a multiple of RANK
 # Under the interpreter, which runs the programs one by one and sorts in numpy: a small sample and chunks (the
 # same steps, the same bits; the pivots only decide how fast a row goes)
 INTERPRETED = dict(samples=16, chunk=64, list_chunk=32, warps=1)
+_ON_DEVICE = dict(samples=SAMPLE, chunk=RANK_CHUNK, list_chunk=RANK_LIST_CHUNK, warps=RANK_WARPS)
 
 _MIN = tl.constexpr(INT64_MIN)
 _MAX = tl.constexpr(INT64_MAX)
@@ -46,30 +46,7 @@ _MAX = tl.constexpr(INT64_MAX)
 def _pivots(src, W, i_hi, i_lo, SAMPLES: tl.constexpr):
     """(hi, lo) of a row: two ranks of a strided sample of its composites, sorted (a short row repeats)."""
     j = tl.arange(0, SAMPLES)
-    samp = tl.sort(tl.load(src + (j.to(tl.int64) * W) // SAMPLES), descending=True)
-    hi = tl.max(tl.where(j == i_hi, samp, _MIN), axis=0)
-    hi = tl.where(hi == _MIN, _MAX, hi)  # no such rank: nothing is a sure winner
-    lo = tl.maximum(tl.max(tl.where(j == i_lo, samp, _MIN), axis=0), _MIN + 1)  # no such rank: every entry
-    return hi, lo
-
-
-@triton.jit
-def _classify(x, hi, lo, TPB: tl.constexpr):
-    """A chunk's sure winners (>= hi) and list entries ([lo, hi)): (sure, mid, their slots in the chunk packed as
-    sure + (mid << 16), the chunk's two counts packed the same way)."""
-    sure = x >= hi
-    mid = (x >= lo) & (x < hi)
-    before, tot = _slots(sure.to(tl.int32) + (mid.to(tl.int32) << 16), TPB)  # both counts, one scan
-    return sure, mid, before, tot
-
-
-@triton.jit
-def _place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap):
-    """The chunk's sure winners to dst from slot n_hi, its list entries to scr from slot n_mid (none past k or cap)."""
-    s_slot = n_hi + (before & 0xFFFF)
-    m_slot = n_mid + (before >> 16)
-    tl.store(dst + s_slot, x, mask=sure & (s_slot < k))
-    tl.store(scr + m_slot, x, mask=mid & (m_slot < cap))
+    return pivot_pair(tl.sort(tl.load(src + (j.to(tl.int64) * W) // SAMPLES), descending=True), j, i_hi, i_lo)
 
 
 @triton.jit
@@ -104,8 +81,8 @@ def rank_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, W, k, cap, i_hi, i_lo, SAMP
     for c0 in range(0, W, CH):
         offs = c0 + tl.arange(0, CH)
         x = tl.load(src + offs, mask=offs < W, other=_MIN)
-        sure, mid, before, tot = _classify(x, hi, lo, TPB)
-        _place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap)
+        sure, mid, before, tot = classify(x, hi, lo, TPB)
+        place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap)
         n_hi += tot & 0xFFFF
         n_mid += tot >> 16
     tl.debug_barrier()  # the list is read below, and the slow path rewrites the slots written above
@@ -128,10 +105,10 @@ def split_pass_kernel(comp_ptr, pos_ptr, scr_ptr, cnt_ptr, W, k, cap, seg, i_hi,
     for c0 in range(tl.program_id(1).to(tl.int64) * seg, end, CH):
         offs = c0 + tl.arange(0, CH)
         x = tl.load(src + offs, mask=offs < end, other=_MIN)
-        sure, mid, before, tot = _classify(x, hi, lo, TPB)
+        sure, mid, before, tot = classify(x, hi, lo, TPB)
         n_hi = tl.atomic_add(cnt_ptr + 2 * r, tot & 0xFFFF, sem="relaxed")  # the slots before this chunk's
         n_mid = tl.atomic_add(cnt_ptr + 2 * r + 1, tot >> 16, sem="relaxed")
-        _place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap)
+        place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap)
 
 
 @triton.jit
@@ -149,11 +126,10 @@ def split_finish_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, cnt_ptr, W, k, cap,
 def _sizes(samples, chunk, list_chunk, warps) -> tuple[int, int, int, int]:
     """The kernels' sample and chunk sizes and warps: RANK_* on a device, INTERPRETED under the interpreter; a
     value given wins (tests)."""
-    d = INTERPRETED if interpreting() else dict(samples=SAMPLE, chunk=RANK_CHUNK, list_chunk=RANK_LIST_CHUNK,
-                                                 warps=RANK_WARPS)
+    d = INTERPRETED if interpreting() else _ON_DEVICE
     got = dict(samples=samples, chunk=chunk, list_chunk=list_chunk, warps=warps)
     samples, chunk, list_chunk, warps = (d[n] if got[n] is None else got[n] for n in d)
-    assert chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15  # see _slots
+    assert chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15  # see final_select._slots
     return samples, chunk, list_chunk, warps
 
 
