@@ -26,6 +26,7 @@ def test_training_kernels_compile_for_sm90():
                           text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "kernel variants for sm_90" in done.stdout
-    for name in ("filter_kernel", "tie_fill_kernel", "final_select_kernel", "table_kernel", "_row_kernel",
-                 "_contrib_kernel", "_segment_kernel", "_fwd_kernel"):
+    for name in ("filter_kernel", "tie_fill_kernel", "final_select_kernel", "table_kernel", "rank_kernel",
+                 "split_pass_kernel", "split_finish_kernel", "_row_kernel", "_contrib_kernel", "_segment_kernel",
+                 "_fwd_kernel"):
         assert name in done.stdout, done.stdout

@@ -133,6 +133,9 @@ def run_entry_points(parts=PARTS) -> None:
                     hyscale_compile.indexer_topk(q, kx, k, weights=w, sorted=False,
                                                  mask=torch.rand(B, 1, S, generator=g) > 0.1, fill=-1.0)
                     hyscale_compile.indexer_topk(q, kx, k, mask=torch.randn(1, S, generator=g))
+            from hyscale_compile.runtime import table_rank  # the split ranker too (these rows take the row one)
+
+            table_rank.rank(torch.zeros(B, S, dtype=torch.int64), k, split=table_rank.RANK_CHUNK)
         if "attention" in parts:  # MLA latent (v = k[..., :512]), GQA and MHA layouts, forward and backward
             for (H_, G, Dqk, Dv, alias) in ((128, 1, 576, 512, True), (32, 8, 128, 128, False),
                                             (16, 16, 192, 128, False)):
