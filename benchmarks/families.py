@@ -177,10 +177,10 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
     plain = lambda: torch.topk(tab().view(B, T, S), k, dim=-1)  # noqa: E731
     if T <= 256:  # host-bound sizes: the two calls interleaved, so that the host's drift falls on both alike
         row["hyscale_ms"], row["table_topk_ms"] = (round(ms, 4) for ms in paired_ms((hy, plain)))
+        row["hyscale_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, "graph"))
     else:
         row["hyscale_ms"] = round(median_ms(hy), 4)
-    if T <= 256:
-        row["hyscale_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, "graph"))
+        row["table_topk_ms"] = round(median_ms(plain), 4)
     if T >= 4096:
         row["hyscale_unsorted_ms"] = round(median_ms(lambda: hy(False)), 4)
     if T <= 256:  # each route forced, eager and replayed: the measurements behind the route rules
@@ -199,8 +199,6 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
             finally:
                 plan.TABLE_MAX_BYTES, plan.RANK_MAX_KEYS, plan.RANK_SPLIT_MAX_ROWS, plan.RANK_SPLIT = rules
         row["routes_equal"] = all(_same(got["pipeline"], got[r]) for r in ("table", "table_row", "table_split"))
-    if T > 256:
-        row["table_topk_ms"] = round(median_ms(plain), 4)
     if peers is not None and T >= 4096:
         best = None
         for name, fn in (("flashinfer", peers.flashinfer_topk), ("cub", peers.cub_topk)):
