@@ -27,9 +27,10 @@ eager and replayed, so that the rules are checked where they decide; hyscale_ran
 table route; routes_equal whether all four gave the same bits),
 hyscale_unsorted_ms (sorted=False, what an order-free site runs), table_topk_ms (our fused score kernel
 writing the fp32 table, then torch.topk; at T <= 256, where the calls are host-bound, timed interleaved with
-hyscale_ms), peer_topk_ms / peer (the table, then the fastest of FlashInfer's
-radix top-k and CUB's DeviceBatchedTopK, benchmarks/peers), rows_recovered / fallbacks (the kernels'
-statistics for one call; none on the table route, which runs no check).
+hyscale_ms, and table_topk_graph_ms the same replayed from a CUDA graph, hyscale_graph_ms's baseline),
+peer_topk_ms / peer (the table, then the fastest of FlashInfer's radix top-k and CUB's DeviceBatchedTopK,
+benchmarks/peers), rows_recovered / fallbacks (the kernels' statistics for one call; none on the table route, which
+runs no check).
 
     python benchmarks/families.py                 # CUDA -> results/families.json
     python benchmarks/families.py --rows decode   # only the decode / small-T rows -> results/families_decode.json
@@ -178,6 +179,7 @@ def run_row(family: str, B: int, T: int, S: int, H: int, device: str, peers, off
     if T <= 256:  # host-bound sizes: the two calls interleaved, so that the host's drift falls on both alike
         row["hyscale_ms"], row["table_topk_ms"] = (round(ms, 4) for ms in paired_ms((hy, plain)))
         row["hyscale_graph_ms"] = _rounded(_guard(lambda: graph_ms(hy), row, "graph"))
+        row["table_topk_graph_ms"] = _rounded(_guard(lambda: graph_ms(plain), row, "plain graph"))
     else:
         row["hyscale_ms"] = round(median_ms(hy), 4)
         row["table_topk_ms"] = round(median_ms(plain), 4)

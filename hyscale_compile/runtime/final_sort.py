@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fast_launch import launch
 from .score_tile import INT64_MIN
 
 SORT_MAX = 2048  # widest in-kernel sort of a row's winners (16 int64 registers a thread at 4 warps)
@@ -81,7 +82,7 @@ def values(comp: Tensor) -> Tensor:
     element-wise ops and two views, each with its own host work, where a decode step's [B, T, k] is tiny."""
     out = torch.empty(comp.shape, dtype=torch.float32, device=comp.device)
     n = comp.numel()
-    values_kernel[(-(-n // VALUES_BLOCK),)](comp, out, n, BLOCK=VALUES_BLOCK)
+    launch(values_kernel, (-(-n // VALUES_BLOCK),), (comp, out, n), dict(BLOCK=VALUES_BLOCK))
     return out
 
 

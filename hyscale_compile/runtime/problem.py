@@ -15,7 +15,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from . import additive_causal, score_tile
+from . import additive_causal, fast_launch, score_tile
 from .env import interpreting
 from .kept import kept
 from .reference import Visibility, order_key
@@ -57,14 +57,15 @@ class Problem:
         return tma_views(self.q, self.kx, self.tile)
 
     def launch(self, kernel, grid, *args, **extra) -> None:
-        """kernel[grid](args, strides, consts, extra); extra may also override num_stages / maxnreg."""
+        """kernel[grid](args, strides, consts, extra) (by ``fast_launch``); extra may also override num_stages /
+        maxnreg."""
         opts = self._options
         if opts is None or not _LAUNCH_OPTIONS.isdisjoint(extra):
             opts = dict(num_warps=self.tile.warps, num_stages=self.tile.stages, maxnreg=self.tile.maxnreg)
             opts.update((o, extra.pop(o)) for o in list(extra) if o in opts)
             if not opts["maxnreg"] or interpreting():
                 del opts["maxnreg"]
-        kernel[grid](*args, *self.strides, **self.consts, **extra, **opts)
+        fast_launch.launch(kernel, grid, (*args, *self.strides), {**self.consts, **extra, **opts})
 
 
 _LAUNCH_OPTIONS = frozenset(("num_warps", "num_stages", "maxnreg"))
@@ -193,7 +194,9 @@ def capturing(device: torch.device) -> bool:
 
 
 def _stream(device: torch.device):
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    """The current stream's handle on ``device`` (the raw query Triton's launches make: torch.cuda.current_stream
+    builds a Stream object, several microseconds of a decode step's host work)."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
 
 
 def _dummy(device: torch.device) -> Tensor:

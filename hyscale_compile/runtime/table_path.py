@@ -33,12 +33,12 @@ from .final_sort import values
 from .plan import Plan
 from .problem import Problem, cdiv
 from .score_tile import block_rows, composite, order_key, tile_values
-from .table_rank import SPLIT_KEYS, rank
+from .table_rank import rank, split_keys
 
 
 @triton.jit
 def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_ptr,
-                 T, S, H, scale, fill, out_stride,
+                 T, S, H, scale, fill, out_stride, zero_ptr, n_zero,
                  sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                  ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
@@ -47,11 +47,16 @@ def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_p
 
     Values as the pipeline computes them: the filter's score tile (pointer loads), then ``tile_values``
     (bias added, bool mask and the row's [lo, hi) range replaced by the fill). A tile outside every row's
-    range of the block is all fill and is not scored.
+    range of the block is all fill and is not scored. The first program also zeroes int32 zero[:n_zero] (the split
+    ranker's counters, read after this launch: a launch fewer than a fill of their own).
     """
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pid_t = tl.program_id(2)
+    if (tile == 0) & (b == 0) & (pid_t == 0):
+        for z in range(0, n_zero, 256):
+            offs = z + tl.arange(0, 256)
+            tl.store(zero_ptr + offs, tl.zeros([256], dtype=tl.int32), mask=offs < n_zero)
     rows_t, row_ok, rid, lo, hi, blo, bhi = block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
     cols = tile * BS + tl.arange(0, BS).to(tl.int64)
     col_ok = cols < S
@@ -67,20 +72,29 @@ def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_p
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def composites(pb: Problem) -> Tensor:
+def composites(pb: Problem, zero: Tensor | None = None) -> Tensor:
     """The int64 composite table [B, T, S] of every entry (what ``select`` ranks): row b * T + t of the
-    kernel's [R, S] (shaped so, torch.topk gives [B, T, k] with no view to make)."""
+    kernel's [R, S] (shaped so, torch.topk gives [B, T, k] with no view to make). ``zero`` (contiguous int32), if
+    given, is zeroed by the same launch."""
     comp = torch.empty(pb.B, pb.T, pb.S, dtype=torch.int64, device=pb.device)
     pb.launch(table_kernel, (cdiv(pb.S, pb.tile.bs), pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, comp,
-              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, pb.S)
+              pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, pb.S, comp if zero is None else zero,
+              0 if zero is None else zero.numel())
     return comp
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor]:
     """(values fp32 [B, T, k], positions int64 [B, T, k]) of each row's top plan.k, ordered by (value desc,
     position asc), or with sorted=False the same entries in torch.topk's unspecified order (sorted all the same
     where our ranker ranks the table: its sort is part of its one launch)."""
-    if plan.ranker != "topk":
-        return rank(composites(pb), plan.k, split=SPLIT_KEYS if plan.ranker == "split" else None)
+    if plan.ranker == "row":
+        return rank(composites(pb), plan.k)
+    if plan.ranker == "split":
+        counts = torch.empty(pb.rows, 2, dtype=torch.int32, device=pb.device)  # zeroed by the table's launch
+        return rank(composites(pb, counts), plan.k, split=split_keys(pb.rows, pb.S, _sms(pb.device)), counts=counts)
     top = torch.topk(composites(pb), plan.k, dim=-1, sorted=sorted)
     return values(top.values), top.indices  # the table's column is the position: no decode needed

@@ -11,9 +11,9 @@ equally exact. The result is torch.topk's over the same composites, bit for bit 
 the top k and their order are unique).
 
 One program reads its whole row, so the rule that picks the ranker (``plan.table_ranker``) keeps that to rows
-short enough for one SM; a longer row's pass is split over programs of SPLIT_KEYS composites, which take their
-slots from the row's counters by atomics, and a second launch finishes each row (three launches in all, with
-the counters' zeroing; still a tenth of torch.topk's).
+short enough for one SM; a longer row's pass is split over programs of ``split_keys`` composites, which take
+their slots from the row's counters by atomics, and a second launch finishes each row (two launches; the
+table's launch zeroes the counters: ``table_path.composites``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .env import interpreting
+from .fast_launch import launch
 from .final_pivots import SAMPLE, pivot_ranks
 from .final_select import INT64_MAX, _emit, _kth, classify, pivot_pair, place
 from .final_sort import _sort_decode, sort_width
@@ -32,12 +33,16 @@ from .score_tile import INT64_MIN
 RANK_WARPS = 16  # a row per program: the pass, the list and the sort of k = 2048 winners all want the SM's width
 RANK_CHUNK = 4096  # composites a step of the pass over a row (8 a thread at 16 warps)
 RANK_LIST_CHUNK = 512  # entries a step over the list
-SPLIT_KEYS = 32768  # composites a program of the split pass (a multiple of RANK_CHUNK and of INTERPRETED's chunk)
+SPLIT_WAVE = 4  # the split pass's programs aimed for per SM: one wave of 16-warp programs (see split_keys)
 # Under the interpreter, which runs the programs one by one and sorts in numpy: a small sample and chunks (the
 # same steps, the same bits; the pivots only decide how fast a row goes)
 INTERPRETED = dict(samples=16, chunk=64, list_chunk=32, warps=1)
 _ON_DEVICE = dict(samples=SAMPLE, chunk=RANK_CHUNK, list_chunk=RANK_LIST_CHUNK, warps=RANK_WARPS)
 
+# The row's length and the sizes that follow from it (its pivots' ranks, its list's size) are not specialized: a
+# decode step's row grows by one key a step, and specializing them on divisibility by 16 (and on 1) compiled up to
+# 20 variants of each kernel over a decode of a few thousand to a hundred thousand keys, a compile of seconds at
+# steps nobody can predict.
 _MIN = tl.constexpr(INT64_MIN)
 _MAX = tl.constexpr(INT64_MAX)
 
@@ -63,7 +68,7 @@ def _finish(src, W, dst, val, scr, k, cap, hi, lo, n_hi, n_mid, CH: tl.constexpr
     _sort_decode(dst, val, k, KP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W", "cap", "i_hi", "i_lo"])
 def rank_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, W, k, cap, i_hi, i_lo, SAMPLES: tl.constexpr,
                 CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr, KP: tl.constexpr):
     """Row r of comp [R, W] (composites): val[r, :k] and pos[r, :k] its k largest, descending, decoded.
@@ -89,7 +94,7 @@ def rank_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, W, k, cap, i_hi, i_lo, SAMP
     _finish(src, W, dst, val_ptr + r * k, scr, k, cap, hi, lo, n_hi, n_mid, CH, LCH, TPB, KP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W", "cap", "seg", "i_hi", "i_lo"])
 def split_pass_kernel(comp_ptr, pos_ptr, scr_ptr, cnt_ptr, W, k, cap, seg, i_hi, i_lo, SAMPLES: tl.constexpr,
                       CH: tl.constexpr, TPB: tl.constexpr):
     """Segment program_id(1) (``seg`` composites) of row r's pass, for rows too long for one program: the row's
@@ -111,7 +116,7 @@ def split_pass_kernel(comp_ptr, pos_ptr, scr_ptr, cnt_ptr, W, k, cap, seg, i_hi,
         place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W", "cap", "i_hi", "i_lo"])
 def split_finish_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, cnt_ptr, W, k, cap, i_hi, i_lo,
                         SAMPLES: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr,
                         KP: tl.constexpr):
@@ -133,18 +138,29 @@ def _sizes(samples, chunk, list_chunk, warps) -> tuple[int, int, int, int]:
     return samples, chunk, list_chunk, warps
 
 
-def rank(comp: Tensor, k: int, *, split: int | None = None, samples: int | None = None,
-         ranks: tuple[int, int] | None = None, cap: int | None = None, chunk: int | None = None,
-         list_chunk: int | None = None, warps: int | None = None) -> tuple[Tensor, Tensor]:
+def split_keys(rows: int, W: int, sms: int) -> int:
+    """Composites a program of the split pass takes: the fewest whole RANK_CHUNKs with which the pass over ``rows``
+    rows of W composites is one wave of SPLIT_WAVE programs per SM (``sms`` of them). Every program first ranks
+    the row's sample for its pivots (a few microseconds whatever its share), so programs past a wave only add
+    that; fewer leave SMs idle while a row's chunks go one after another (NOTES-selection.md, "Defaults ...":
+    table ranker). A multiple of RANK_CHUNK, hence of the interpreter's chunk too."""
+    per_row = max(1, SPLIT_WAVE * sms // rows)  # programs a row may have
+    return RANK_CHUNK * max(1, -(-W // (RANK_CHUNK * per_row)))
+
+
+def rank(comp: Tensor, k: int, *, split: int | None = None, counts: Tensor | None = None,
+         samples: int | None = None, ranks: tuple[int, int] | None = None, cap: int | None = None,
+         chunk: int | None = None, list_chunk: int | None = None, warps: int | None = None) -> tuple[Tensor, Tensor]:
     """(values fp32 [..., k], positions int64 [..., k]) of the k largest composites of each row of ``comp``
     [..., W] (contiguous int64, 1 <= k <= W, k <= final_sort.SORT_MAX), ordered by value desc, position asc.
     Composites as the table kernel writes them: an order key above INT32_MIN (the lowest, -inf's, is 0x807FFFFF;
     the final select's steps take INT32_MIN for an empty slot) and a position below 2**31.
 
     One program a row; with ``split``, a row's pass is spread over programs of ``split`` composites each (a
-    multiple of the chunk) and a second launch finishes each row (for rows too long for one SM). The other
-    keyword arguments are for tests: the sample and chunk sizes, and pivot ranks or a list size that force the
-    slow path."""
+    multiple of the chunk) and a second launch finishes each row (for rows too long for one SM). Its counters:
+    ``counts`` (int32 [rows, 2], zeroed: the table's launch zeroes them), or zeros of its own. The other keyword
+    arguments are for tests: the sample and chunk sizes, and pivot ranks or a list size that force the slow
+    path."""
     samples, chunk, list_chunk, warps = _sizes(samples, chunk, list_chunk, warps)
     W = comp.shape[-1]
     kp = sort_width(k)
@@ -162,9 +178,13 @@ def rank(comp: Tensor, k: int, *, split: int | None = None, samples: int | None 
     scratch = torch.empty(R, cap, dtype=torch.int64, device=comp.device)
     sizes = dict(SAMPLES=samples, CH=chunk, TPB=32 * warps, num_warps=warps)
     if split is None:
-        rank_kernel[(R,)](comp, pos, val, scratch, W, k, cap, i_hi, i_lo, LCH=list_chunk, KP=kp, **sizes)
+        launch(rank_kernel, (R,), (comp, pos, val, scratch, W, k, cap, i_hi, i_lo),
+               dict(LCH=list_chunk, KP=kp, **sizes))
         return val, pos
-    counts = torch.zeros(R, 2, dtype=torch.int32, device=comp.device)  # each row's sure winners and list entries
-    split_pass_kernel[(R, -(-W // split))](comp, pos, scratch, counts, W, k, cap, split, i_hi, i_lo, **sizes)
-    split_finish_kernel[(R,)](comp, pos, val, scratch, counts, W, k, cap, i_hi, i_lo, LCH=list_chunk, KP=kp, **sizes)
+    if counts is None:  # each row's sure winners and list entries
+        counts = torch.zeros(R, 2, dtype=torch.int32, device=comp.device)
+    assert counts.shape == (R, 2) and counts.dtype == torch.int32 and counts.is_contiguous(), "rank: counts [R, 2]"
+    launch(split_pass_kernel, (R, -(-W // split)), (comp, pos, scratch, counts, W, k, cap, split, i_hi, i_lo), sizes)
+    launch(split_finish_kernel, (R,), (comp, pos, val, scratch, counts, W, k, cap, i_hi, i_lo),
+           dict(LCH=list_chunk, KP=kp, **sizes))
     return val, pos

@@ -393,3 +393,35 @@ def test_own_ranker_short_rows_and_shapes():
         want_v, want_i = decode(torch.topk(comp, 4, dim=-1).values)
         assert got_v.shape == got_i.shape == want_i.shape, shape
         assert torch.equal(bits(got_v), bits(want_v)) and torch.equal(got_i, want_i), shape
+
+
+def test_table_launch_zeroes_the_split_rankers_counters():
+    """The table's launch zeroes the split ranker's counters (its first program, before the pass reads them), a
+    launch of their own fewer; every one of them, at sizes past the kernel's step of 256 too; and the table is the
+    one it writes without them."""
+    from hyscale_compile.runtime.table_path import composites
+
+    q, kx, w = random_inputs(B=1, T=3, S=40)
+    pb = Problem(q, kx, w, 0.5, True, ALL_VISIBLE, NEG_INF)
+    want = composites(pb)
+    for n in (2, 6, 300, 513):
+        zero = torch.full((n,), 7, dtype=torch.int32)
+        assert torch.equal(composites(pb, zero), want) and not zero.any(), n
+
+
+def test_split_keys_is_a_wave_of_whole_chunks():
+    """split_keys: whole RANK_CHUNKs, the fewest with which the pass is one wave of SPLIT_WAVE programs per SM; one
+    chunk where the rows are too few to fill it."""
+    from hyscale_compile.runtime.table_rank import RANK_CHUNK, SPLIT_WAVE, split_keys
+
+    sms = 132
+    wave = SPLIT_WAVE * sms
+    assert split_keys(1, 131072, sms) == RANK_CHUNK and split_keys(1, 1 << 20, sms) == RANK_CHUNK
+    for rows in (1, 3, 16, 64, 127):
+        for W in (32769, 131072, 1 << 20, 3_000_001):
+            seg = split_keys(rows, W, sms)
+            per_row = -(-W // seg)
+            assert seg % RANK_CHUNK == 0 and seg >= RANK_CHUNK, (rows, W)
+            assert rows * per_row <= wave or seg == RANK_CHUNK, (rows, W, seg)
+            if seg > RANK_CHUNK:  # one chunk less would pass the wave
+                assert rows * -(-W // (seg - RANK_CHUNK)) > wave, (rows, W, seg)

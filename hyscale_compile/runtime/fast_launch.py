@@ -1,0 +1,134 @@
+"""Launch a compiled Triton kernel with less host work than ``kernel[grid](...)``: ``launch``.
+
+On every call ``JITFunction.run`` reads its knobs (environment lookups), binds the arguments into a dict,
+specializes each one, builds and hashes its cache key (the options' ``str`` included), checks the kernel's
+globals and builds the launch metadata for its hooks, and only then calls the compiled kernel's launcher. A
+decode step repeats all of it unchanged, and where its call is two or three launches (the table route), that
+is most of its host work. ``launch`` keeps each kernel's compiled variants under the specialization Triton
+itself computes for the runtime arguments (its native ``specialize_impl``, with the kernel's own flags: the
+same variant Triton would pick) and the constexprs and options given, and calls the launcher directly.
+
+The key holds what Triton's own key holds (the debug flag and instrumentation mode it adds to the options
+included). Triton's own path is taken for the first call of a variant (it compiles or finds it and hands it
+back), under the interpreter, while a hook watches (the kernel's pre-run hooks, a launch hook: a profiler's), and
+for a kernel this module cannot lay out (annotated runtime parameters, or a constexpr parameter before a runtime
+one: the launcher takes every argument in the signature's order). All the fast path skips is the check that the
+kernel's globals did not change since it compiled (where Triton raises; it never recompiles).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+
+try:  # the parts of Triton the fast path needs: Triton 3.6's (its launcher's arguments are an internal interface)
+    import triton
+    from triton import knobs
+    from triton._C.libtriton import native_specialize_impl
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    FAST = triton.__version__.split(".")[:2] == ["3", "6"]
+except ImportError:  # pragma: no cover - another Triton: every launch takes Triton's path
+    FAST = False
+
+
+class _Layout:
+    """What the fast path needs of a kernel's signature: its runtime parameters' count and specialization flags,
+    and its constexprs' names and defaults, in order (``ok`` False where the kernel does not fit the fast path);
+    and the kernel's variants seen so far (key -> (compiled kernel, its constexpr values in order))."""
+
+    def __init__(self, kernel) -> None:
+        params = kernel.params
+        n = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
+        runtime, consts = params[:n], params[n:]
+        self.ok = all(not p.annotation_type for p in runtime) and all(p.is_constexpr for p in consts)
+        self.n_args = n
+        self.flags = tuple((p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                           for p in runtime)
+        self.plain = all(f == (False, True, True) for f in self.flags)
+        self.consts = tuple((p.name, p.default) for p in consts)
+        self.variants: dict[tuple, tuple] = {}
+
+
+def _layout(kernel) -> _Layout:
+    """The kernel's layout, kept on the kernel (it and its variants go when the kernel goes)."""
+    lay = kernel.__dict__.get("_hyscale_fast_launch")
+    if lay is None:
+        lay = kernel._hyscale_fast_launch = _Layout(kernel)
+    return lay
+
+
+@functools.cache
+def _driver_ready() -> bool:
+    """Whether Triton has a device driver to launch with (none on a CPU-only machine, where a launch is the
+    interpreter's, or a stub's in a host-time benchmark): asked once, the answer does not change."""
+    try:
+        driver.active.get_current_device()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _watched(kernel) -> bool:
+    """Whether something watches this kernel's launches: its pre-run hooks, or a launch hook (a chain with hooks in
+    it, or a hook set directly; a profiler's)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return bool(kernel.pre_run_hooks) or any(getattr(h, "calls", h) for h in hooks)
+
+
+def specialization(lay: _Layout, backend, args: tuple) -> tuple:
+    """What Triton's binder computes for the runtime arguments ``args`` (its specialization list, less the
+    constexprs): each argument's type and attributes (a tensor's alignment, an int's divisibility by 16, the int 1
+    as a constant), by the same native function with the same flags. A kernel whose parameters all take the
+    default flags gets it in one call over the tuple of its arguments (the function's own recursion into a tuple:
+    the same answers, as (types, attributes), in one call instead of one a parameter)."""
+    if lay.plain:
+        return native_specialize_impl(backend, args, False, True, True)
+    return tuple([native_specialize_impl(backend, a, *f) for a, f in zip(args, lay.flags)])
+
+
+def launch(kernel, grid: tuple, args: tuple, kw: Mapping) -> None:
+    """``kernel[grid](*args, **kw)``: ``args`` the runtime arguments in order, ``kw`` the constexprs (by name) and
+    the launch options (num_warps, num_stages, maxnreg, ...). Same result; on the fast path, less host work."""
+    # (under the interpreter ``triton.jit`` made an InterpretedFunction, not a JITFunction)
+    if not FAST or type(kernel) is not JITFunction or callable(grid) or not _driver_ready() or _watched(kernel):
+        kernel[grid](*args, **kw)
+        return
+    lay = _layout(kernel)
+    if not lay.ok or len(args) != lay.n_args:
+        kernel[grid](*args, **kw)
+        return
+    device = driver.active.get_current_device()
+    # what Triton's run adds to the options, and its key, besides the arguments: the debug flags
+    debug = kw.get("debug", kernel.debug) or knobs.runtime.debug
+    key = (device, specialization(lay, kernel.device_caches[device][3], args), tuple(kw.items()), bool(debug),
+           knobs.compilation.instrumentation_mode)
+    try:
+        got = lay.variants.get(key)
+    except TypeError:  # an option that is not hashable (Triton keys on its str): Triton's path
+        kernel[grid](*args, **kw)
+        return
+    if got is None:  # Triton's path: compiles or finds the variant, launches it, and hands it back
+        compiled = kernel[grid](*args, **kw)
+        consts = _constexprs(lay, kw)
+        if compiled is not None and consts is not None:
+            lay.variants[key] = (compiled, consts)
+        return
+    compiled, consts = got
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *consts)
+
+
+def _constexprs(lay: _Layout, kw: Mapping) -> tuple | None:
+    """The constexprs' values in the signature's order (given, or their defaults), or None where one is missing."""
+    values = []
+    for name, default in lay.consts:
+        value = kw.get(name, default)
+        if value is inspect.Parameter.empty:
+            return None
+        values.append(value)
+    return tuple(values)
