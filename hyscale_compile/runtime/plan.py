@@ -22,17 +22,16 @@ from .score_tile import TileConfig
 
 RESERVED_APPEND_MAX_HEADS = 32  # up to this many heads the filter reserves slots at any share (see append_kind)
 # The table route (table_path.py) up to this size of the int64 composite table [R, S]: the table is then small
-# enough that writing it and running torch.topk over it costs less than the pipeline's fixed launches and host
-# work, which dominate a decode step (one or a few query rows). Past it the table is what the pipeline saves
-# (benchmarks/NOTES-selection.md, "Defaults and the measurements behind them": table route).
-TABLE_MAX_BYTES = 32 << 20
+# enough that writing it and ranking it costs the device less than the pipeline's stages (a call captured into a
+# CUDA graph pays no host work on replay: the device time decides). Past it the table is what the pipeline saves
+# (benchmarks/NOTES-selection.md, "Defaults and the measurements behind them": table route). A captured call's
+# graph keeps its table in its pool: up to 128 MiB, twice the plain path's fp32 table of the same call.
+TABLE_MAX_BYTES = 128 << 20
 # An uncaptured call pays its host work every time, and at these sizes that is most of it: the pipeline issues
-# six launches and a few dozen torch ops, the table route two to four launches. So an uncaptured call takes the
+# six launches and a few dozen torch ops, the table route two or three launches. So an uncaptured call takes the
 # table route up to EAGER_TABLE_FACTOR times TABLE_MAX_BYTES, where writing the table still costs the device
-# less than the pipeline's host work takes (NOTES-selection.md, "Defaults ...": table route). A call captured
-# into a CUDA graph pays no host work on replay, and its graph would keep the table in its pool for good: there
-# the device-time rule stands.
-EAGER_TABLE_FACTOR = 8
+# less than the pipeline's host work takes (NOTES-selection.md, "Defaults ...": table route).
+EAGER_TABLE_FACTOR = 2
 # The table route ranks its table with a ranker of its own (table_rank.py) instead of torch.topk and the values
 # launch: on a decode step torch.topk over int64 is some 34 kernels of host work. Up to RANK_MAX_KEYS keys a row,
 # one launch of one program a row ("row"); past that, where the rows are too few to fill the device (fewer than

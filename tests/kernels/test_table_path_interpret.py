@@ -183,7 +183,7 @@ def _problem(B, T, S, H=64, D=128):
 
 
 def test_plan_routes_decode_to_the_table_and_prefill_to_the_pipeline():
-    # the plan of an uncaptured call (a CPU call never is captured): the table route up to 8x the captured limit
+    # the plan of an uncaptured call (a CPU call never is captured): the table route up to 2x the captured limit
     for B, T, S in [(1, 1, 32768), (1, 16, 131072), (1, 64, 131072), (1, 256, 32768), (1, 16, 1 << 20),
                     (8, 1, 131072), (1, 256, 131072), (1, 32, 1 << 20)]:
         assert make_plan(_problem(B, T, S), 2048).table, (B, T, S)
@@ -193,7 +193,8 @@ def test_plan_routes_decode_to_the_table_and_prefill_to_the_pipeline():
     assert plan.table_route(1, limit, captured=True) and not plan.table_route(1, limit + 1, captured=True)
     eager = limit * plan.EAGER_TABLE_FACTOR
     assert plan.table_route(1, eager, captured=False) and not plan.table_route(1, eager + 1, captured=False)
-    assert plan.table_route(64, 131072, captured=False) and not plan.table_route(64, 131072, captured=True)
+    assert plan.table_route(16, 1 << 20, captured=True) and not plan.table_route(256, 131072, captured=True)
+    assert plan.table_route(256, 131072, captured=False)
     decode, prefill = _problem(1, 1, 32768), _problem(1, 4096, 131072)
     assert not make_plan(decode, 2048, PIPELINE).table and make_plan(prefill, 2048, TABLE).table  # forced
     assert make_plan(decode, 2048).filter_options == {}  # the table route builds no descriptors
