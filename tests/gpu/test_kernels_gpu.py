@@ -340,3 +340,29 @@ def test_eager_indexer_topk_calls_the_body_sync_free_and_in_a_graph():
     assert torch.equal(v.view(torch.int32), ov.view(torch.int32)) and torch.equal(i, oi)
     _, (gv, gi) = sync_free_and_replayed(call)
     assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i)
+
+
+@pytest.mark.parametrize("ranker", ["row", "split"])
+def test_fast_launch_is_taken_and_gives_tritons_bits(ranker, monkeypatch):
+    """On the device the table route's launches take fast_launch's direct path after their first call (the
+    variants are kept on the kernels), and a decode sequence whose context grows by a key a step gives the bits of
+    Triton's own path at every step, a row length and divisibility the kept variants were not first made with
+    included."""
+    from hyscale_compile.runtime import fast_launch, table_path, table_rank
+
+    if not fast_launch.FAST:
+        pytest.skip("the fast path is for Triton 3.6")
+    hytopk, _, _ = _mods()
+    T, H = 4, 16
+    own = tuning(table=True, ranker=ranker)
+    q, kx, w = _decode_family("random", T, 40000, H)
+    for S in (32768 + 16, 32768 + 17, 32768 + 18, 33000):
+        vis = Visibility(causal=True, offset=S - T)
+        fast = hytopk.select(q, kx[:, :S], w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
+        with monkeypatch.context() as m:
+            m.setattr(fast_launch, "FAST", False)
+            slow = hytopk.select(q, kx[:, :S], w, 2048, 0.1, True, vis, NEG_INF, tuning=own)
+        assert torch.equal(fast[0].view(torch.int32), slow[0].view(torch.int32)) and torch.equal(fast[1], slow[1]), S
+    kernels = [table_path.table_kernel] + ([table_rank.rank_kernel] if ranker == "row"
+                                           else [table_rank.split_pass_kernel, table_rank.split_finish_kernel])
+    assert all(fast_launch._layout(k).variants for k in kernels)
