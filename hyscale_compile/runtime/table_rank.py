@@ -43,6 +43,8 @@ _ON_DEVICE = dict(samples=SAMPLE, chunk=RANK_CHUNK, list_chunk=RANK_LIST_CHUNK, 
 # decode step's row grows by one key a step, and specializing them on divisibility by 16 (and on 1) compiled up to
 # 20 variants of each kernel over a decode of a few thousand to a hundred thousand keys, a compile of seconds at
 # steps nobody can predict.
+_ROW_SIZES = ["W", "cap", "i_hi", "i_lo"]
+
 _MIN = tl.constexpr(INT64_MIN)
 _MAX = tl.constexpr(INT64_MAX)
 
@@ -68,7 +70,7 @@ def _finish(src, W, dst, val, scr, k, cap, hi, lo, n_hi, n_mid, CH: tl.constexpr
     _sort_decode(dst, val, k, KP)
 
 
-@triton.jit(do_not_specialize=["W", "cap", "i_hi", "i_lo"])
+@triton.jit(do_not_specialize=_ROW_SIZES)
 def rank_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, W, k, cap, i_hi, i_lo, SAMPLES: tl.constexpr,
                 CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr, KP: tl.constexpr):
     """Row r of comp [R, W] (composites): val[r, :k] and pos[r, :k] its k largest, descending, decoded.
@@ -94,7 +96,7 @@ def rank_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, W, k, cap, i_hi, i_lo, SAMP
     _finish(src, W, dst, val_ptr + r * k, scr, k, cap, hi, lo, n_hi, n_mid, CH, LCH, TPB, KP)
 
 
-@triton.jit(do_not_specialize=["W", "cap", "seg", "i_hi", "i_lo"])
+@triton.jit(do_not_specialize=[*_ROW_SIZES, "seg"])  # its segment follows from the row length too
 def split_pass_kernel(comp_ptr, pos_ptr, scr_ptr, cnt_ptr, W, k, cap, seg, i_hi, i_lo, SAMPLES: tl.constexpr,
                       CH: tl.constexpr, TPB: tl.constexpr):
     """Segment program_id(1) (``seg`` composites) of row r's pass, for rows too long for one program: the row's
@@ -116,7 +118,7 @@ def split_pass_kernel(comp_ptr, pos_ptr, scr_ptr, cnt_ptr, W, k, cap, seg, i_hi,
         place(x, sure, mid, before, n_hi, n_mid, dst, scr, k, cap)
 
 
-@triton.jit(do_not_specialize=["W", "cap", "i_hi", "i_lo"])
+@triton.jit(do_not_specialize=_ROW_SIZES)
 def split_finish_kernel(comp_ptr, pos_ptr, val_ptr, scr_ptr, cnt_ptr, W, k, cap, i_hi, i_lo,
                         SAMPLES: tl.constexpr, CH: tl.constexpr, LCH: tl.constexpr, TPB: tl.constexpr,
                         KP: tl.constexpr):
