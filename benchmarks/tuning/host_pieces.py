@@ -122,9 +122,8 @@ def pieces(T: int, S: int, H: int, k: int, device: str) -> dict:
         "hytopk.select": lambda: hytopk.select(q, kx, w, k, scale, True, vis, float("-inf")),
         "Problem()": lambda: Problem(q, kx, w, scale, True, vis, float("-inf")),
         "composite table launch": lambda: table_path.composites(pb),
-        f"table ranker ({ranker})": lambda: table_rank.rank(comp, k, split=table_rank.split_keys(
-            T, S, torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1)
-            if ranker == "split" else None),
+        f"table ranker ({ranker})": lambda: table_rank.rank(
+            comp, k, split=table_rank.split_keys(T, S, plan.multiprocessors(pb.device)) if ranker == "split" else None),
         "final_sort.values": lambda: values(top.values),
     }
 

@@ -146,13 +146,16 @@ def table_route(rows: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool) 
     return rows * S * 8 <= TABLE_MAX_BYTES * (1 if captured else EAGER_TABLE_FACTOR)
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The device's SMs (one on the CPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def device_programs(device: torch.device, tuning: Tuning = DEFAULT) -> int:
     """Programs to aim for per launch: four per SM (two on the CPU, where the interpreter runs them in turn)."""
     if tuning.programs is not None:
         return tuning.programs
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
+    return 4 * multiprocessors(device) if device.type == "cuda" else 2
 
 
 def filter_split(pb: Problem, programs: int) -> int:

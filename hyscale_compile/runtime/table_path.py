@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .filter import tile_scores
 from .final_sort import values
-from .plan import Plan
+from .plan import Plan, multiprocessors
 from .problem import Problem, cdiv
 from .score_tile import block_rows, composite, order_key, tile_values
 from .table_rank import rank, split_keys
@@ -83,10 +83,6 @@ def composites(pb: Problem, zero: Tensor | None = None) -> Tensor:
     return comp
 
 
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor]:
     """(values fp32 [B, T, k], positions int64 [B, T, k]) of each row's top plan.k, ordered by (value desc,
     position asc), or with sorted=False the same entries in torch.topk's unspecified order (sorted all the same
@@ -95,6 +91,7 @@ def select(pb: Problem, plan: Plan, sorted: bool = True) -> tuple[Tensor, Tensor
         return rank(composites(pb), plan.k)
     if plan.ranker == "split":
         counts = torch.empty(pb.rows, 2, dtype=torch.int32, device=pb.device)  # zeroed by the table's launch
-        return rank(composites(pb, counts), plan.k, split=split_keys(pb.rows, pb.S, _sms(pb.device)), counts=counts)
+        split = split_keys(pb.rows, pb.S, multiprocessors(pb.device))
+        return rank(composites(pb, counts), plan.k, split=split, counts=counts)
     top = torch.topk(composites(pb), plan.k, dim=-1, sorted=sorted)
     return values(top.values), top.indices  # the table's column is the position: no decode needed
