@@ -30,15 +30,13 @@ class Problem:
                  fill: float, tile: TileConfig | None = None):
         self.B, self.T, self.H, self.D = q.shape
         self.S = kx.shape[1]
-        self.q, self.kx, self.w = _operands(q, kx, weights, float(scale))
+        self.q, self.kx, self.w = _operands(q, kx, weights)
         self.device = q.device
         self.vis = vis = additive_causal.as_bias(vis, q, kx, weights, float(scale), float(fill))
-        dummy = _dummy(self.device)  # never read: its flag (HAS_*) is off
-        self.lo, self.hi = ranges(vis, self.B, self.T, self.S, self.device)
+        self.dummy = dummy = _dummy(self.device)  # for pointers never read: their flag (HAS_*) is off
         self.mask, mstr, self.bias, bstr = _aux(vis, self.B, self.T, self.S, dummy)
-        wt = self.w if self.w is not None else dummy
+        self.wt = self.w if self.w is not None else dummy
         wstr = self.w.stride() if self.w is not None else (0, 0, 0)
-        self.wt = wt
         self.scale, self.fill = float(scale), float(fill)
         self.strides = (*self.q.stride()[:3], *self.kx.stride()[:2], *wstr, *mstr, *bstr)
         # the tile as it is now (tuners change score_tile.TILE), the constexprs and the launch options
@@ -46,6 +44,31 @@ class Problem:
             score_tile.TILE if tile is None else tile, self.D, act_kind(relu, scale), self.w is not None,
             precision(self.q.dtype), mask_kind(vis.mask, mstr, self.T), vis.bias is not None)
         self.n_tblk = cdiv(self.T, self.tile.bt)
+
+    @functools.cached_property
+    def _ranges(self) -> tuple[Tensor, Tensor]:
+        return ranges(self.vis, self.B, self.T, self.S, self.device)
+
+    @property
+    def lo(self) -> Tensor:
+        """int64 [B, T]: each row's first visible key (built on first use: ``first`` spares the table route)."""
+        return self._ranges[0]
+
+    @property
+    def hi(self) -> Tensor:
+        """int64 [B, T]: one past each row's last visible key."""
+        return self._ranges[1]
+
+    @property
+    def first(self) -> int | None:
+        """Where the row ranges follow from the sizes alone (no windows, no per-batch offsets): row t sees keys
+        [0, min(max(t + first, 0), S)), so a kernel can form them itself instead of reading lo and hi (which then
+        need not be built: on a decode step whose offset moves every call, a few ops of host work). Else None.
+        Clamped to [-T, S], which gives the same ranges for rows 0..T-1 and keeps it an int32 argument."""
+        vis = self.vis
+        if vis.starts is not None or vis.ends is not None or vis.offsets is not None:
+            return None
+        return min(max(int(vis.offset) + 1, -self.T), self.S) if vis.causal else self.S
 
     @property
     def rows(self) -> int:
@@ -113,15 +136,14 @@ def _heads_in_int32(x: Tensor) -> Tensor:
     return x.contiguous() if x.shape[2] * x.stride(2) >= 2**31 else x
 
 
-def _operands(q: Tensor, kx: Tensor, weights: Tensor | None,
-              scale: float) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights with the scale folded in. No op
-    where nothing changes (each one is host work, also when it returns its input)."""
+def _operands(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One dtype for q and kx (16-bit widened to fp32 is exact); fp32 weights (the kernels multiply them by the
+    scale: score_tile). No op where nothing changes (each one is host work, also when it returns its input)."""
     if q.dtype != kx.dtype:
         dt = torch.promote_types(q.dtype, kx.dtype)
         q, kx = q.to(dt), kx.to(dt)
     if weights is not None:
-        weights = _heads_in_int32((weights if weights.dtype == torch.float32 else weights.float()) * scale)
+        weights = _heads_in_int32(weights if weights.dtype == torch.float32 else weights.float())
     return _heads_in_int32(_unit_last(q)), _unit_last(kx), weights
 
 

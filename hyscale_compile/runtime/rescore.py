@@ -97,12 +97,13 @@ def _load_heads(q_row, c, sqh, offs_d, d_ok, H: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _row_weights(w_row, swh, H: tl.constexpr, BH: tl.constexpr):
-    """The row's BH head weights as scalars (0 past H), loaded once per program: loaded per block they
-    were 64 uniform loads per thread per 64 keys at H=64, 8x the load instructions of the key gathers."""
+def _row_weights(w_row, swh, scale, H: tl.constexpr, BH: tl.constexpr):
+    """The row's BH head weights times the scale as scalars (0 past H; score_tile's product), loaded once per
+    program: loaded per block they were 64 uniform loads per thread per 64 keys at H=64, 8x the load
+    instructions of the key gathers."""
     ws = ()
     for h in tl.static_range(BH):
-        ws = ws + (tl.load(w_row + h * swh, mask=h < H, other=0.0),)
+        ws = ws + (tl.load(w_row + h * swh, mask=h < H, other=0.0) * scale,)
     return ws
 
 
@@ -174,7 +175,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
         for g in tl.static_range(NG):
             q_all = q_all + (_load_heads(q_row, g * BH, sqh, offs_d, d_ok, H, BH),)
         if HAS_W and W_ONCE:
-            w_all = _row_weights(w_row, swh, H, NG * BH)
+            w_all = _row_weights(w_row, swh, scale, H, NG * BH)
     for j0 in range(j_lo, j_hi, BJ):
         j, j_ok, cols, c_ok, kg = gather_keys(idx_ptr, kx_ptr, r, b, K, skb, sks, j0, j_hi, S, offs_d, d_ok, BJ)
         acc = tl.zeros((BJ,), dtype=tl.float32)
@@ -188,14 +189,14 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                         elif W_ONCE:
                             w = w_all[g * BH + i]
                         else:
-                            w = tl.load(w_row + (g * BH + i) * swh)
+                            w = tl.load(w_row + (g * BH + i) * swh) * scale
                         acc = act_fma(sh[i], w, acc, ACT)
         else:  # a runtime loop over head groups (past RESCORE_GROUPS groups)
             for c in range(0, H, BH):
                 sh = _head_scores(kg, _load_heads(q_row, c, sqh, offs_d, d_ok, H, BH), BH, PREC)
                 for i in tl.static_range(BH):
                     if c + i < H:
-                        acc = act_fma(sh[i], tl.load(w_row + (c + i) * swh) if HAS_W else scale, acc, ACT)
+                        acc = act_fma(sh[i], tl.load(w_row + (c + i) * swh) * scale if HAS_W else scale, acc, ACT)
         val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
                              mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
         tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)

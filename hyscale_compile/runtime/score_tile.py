@@ -1,7 +1,7 @@
 """The one score arithmetic every HyTopK kernel uses.
 
 ``score_tile`` computes a [BLOCK_T, BLOCK_S] tile of
-    sum_h wt[t, h] * act(dot(q[t, h, :], kx[s, :]))      wt = scale * w (folded on the host)
+    sum_h wt[t, h] * act(dot(q[t, h, :], kx[s, :]))      wt = w * scale (fp32, or scale without weights)
 in fp32, heads in order 0..H-1, one fused multiply-add per head, for any set of query rows and key
 columns (contiguous or gathered): callers pass row and column offsets, so sampling, filtering and
 recovery all run the very same instructions with the same tile shapes, and the score of (t, s) is
@@ -123,7 +123,9 @@ def score_tile(q_ptr, kx_ptr, w_ptr, q_rows, w_rows, k_cols, row_ok, col_ok,
                q_desc=None, k_desc=None, q_row0=0, k_row0=0, TMA: tl.constexpr = False):
     """fp32 [BT, BS] scores. q_rows / w_rows / k_cols are int64 element offsets of each row / key.
 
-    w_ptr holds scale * w; without weights every head is weighted by ``scale``.
+    Each head's weight is w * scale, rounded to fp32 as torch rounds ``w * scale`` (fp32 weights, the scale
+    an fp32 argument): the kernels take the caller's weights and the scale, so no call spends a torch op on
+    the product. Without weights every head is weighted by ``scale``.
     PREC is "ieee" or "tf32" for fp32 operands, or "upcast": 16-bit operands widened to fp32 first
     (only under the CPU interpreter, whose dot cannot take bf16; the products are exact either way).
 
@@ -151,7 +153,7 @@ def score_tile(q_ptr, kx_ptr, w_ptr, q_rows, w_rows, k_cols, row_ok, col_ok,
         else:
             s = tl.dot(qh, kt, input_precision=PREC, out_dtype=tl.float32)
         if HAS_W:
-            w = tl.load(w_ptr + w_rows + h * stride_wh, mask=row_ok, other=0.0)[:, None]
+            w = (tl.load(w_ptr + w_rows + h * stride_wh, mask=row_ok, other=0.0) * scale)[:, None]
         else:
             w = scale
         acc = act_fma(s, w, acc, ACT)
@@ -204,6 +206,20 @@ def block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT: tl.constexpr):
     rid = b * T + rows_t
     lo = tl.load(lo_ptr + rid, mask=row_ok, other=0)
     hi = tl.load(hi_ptr + rid, mask=row_ok, other=0)
+    blo = tl.min(tl.where(row_ok & (hi > lo), lo, S), axis=0)
+    bhi = tl.max(tl.where(row_ok, hi, 0), axis=0)
+    return rows_t, row_ok, rid, lo, hi, blo, bhi
+
+
+@triton.jit
+def block_rows_from(pid_t, b, T, first, S, BT: tl.constexpr):
+    """block_rows where the ranges follow from the sizes (``Problem.first``): row t sees [0, clamp(t + first, 0,
+    S)), the values problem.ranges would have written."""
+    rows_t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
+    row_ok = rows_t < T
+    rid = b * T + rows_t
+    lo = tl.zeros([BT], dtype=tl.int64)
+    hi = tl.minimum(tl.maximum(rows_t + first, 0), S)
     blo = tl.min(tl.where(row_ok & (hi > lo), lo, S), axis=0)
     bhi = tl.max(tl.where(row_ok, hi, 0), axis=0)
     return rows_t, row_ok, rid, lo, hi, blo, bhi

@@ -32,17 +32,17 @@ from .filter import tile_scores
 from .final_sort import values
 from .plan import Plan, multiprocessors
 from .problem import Problem, cdiv
-from .score_tile import block_rows, composite, order_key, tile_values
+from .score_tile import block_rows, block_rows_from, composite, order_key, tile_values
 from .table_rank import rank, split_keys
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first"])
 def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_ptr,
-                 T, S, H, scale, fill, out_stride, zero_ptr, n_zero,
+                 T, S, H, scale, fill, out_stride, zero_ptr, n_zero, first,
                  sqb, sqt, sqh, skb, sks, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                  ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
-                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, RANGES_FROM_FIRST: tl.constexpr):
     """out[r, s] = composite(order_key(value[r, s]), s) for key tile program_id(0) of one query block.
 
     Values as the pipeline computes them: the filter's score tile (pointer loads), then ``tile_values``
@@ -57,7 +57,10 @@ def table_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_p
         for z in range(0, n_zero, 256):
             offs = z + tl.arange(0, 256)
             tl.store(zero_ptr + offs, tl.zeros([256], dtype=tl.int32), mask=offs < n_zero)
-    rows_t, row_ok, rid, lo, hi, blo, bhi = block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
+    if RANGES_FROM_FIRST:
+        rows_t, row_ok, rid, lo, hi, blo, bhi = block_rows_from(pid_t, b, T, first, S, BT)
+    else:
+        rows_t, row_ok, rid, lo, hi, blo, bhi = block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT)
     cols = tile * BS + tl.arange(0, BS).to(tl.int64)
     col_ok = cols < S
     acc = tl.zeros((BT, BS), dtype=tl.float32)
@@ -77,9 +80,12 @@ def composites(pb: Problem, zero: Tensor | None = None) -> Tensor:
     kernel's [R, S] (shaped so, torch.topk gives [B, T, k] with no view to make). ``zero`` (contiguous int32), if
     given, is zeroed by the same launch."""
     comp = torch.empty(pb.B, pb.T, pb.S, dtype=torch.int64, device=pb.device)
-    pb.launch(table_kernel, (cdiv(pb.S, pb.tile.bs), pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, pb.lo, pb.hi, comp,
+    first = pb.first
+    lo, hi = (pb.lo, pb.hi) if first is None else (pb.dummy, pb.dummy)
+    pb.launch(table_kernel, (cdiv(pb.S, pb.tile.bs), pb.B, pb.n_tblk), pb.q, pb.kx, pb.wt, lo, hi, comp,
               pb.mask, pb.bias, pb.T, pb.S, pb.H, pb.scale, pb.fill, pb.S, comp if zero is None else zero,
-              0 if zero is None else zero.numel())
+              0 if zero is None else zero.numel(), 0 if first is None else first,
+              RANGES_FROM_FIRST=first is not None)
     return comp
 
 

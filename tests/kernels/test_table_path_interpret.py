@@ -426,3 +426,26 @@ def test_split_keys_is_a_wave_of_whole_chunks():
             assert rows * per_row <= wave or seg == RANK_CHUNK, (rows, W, seg)
             if seg > RANK_CHUNK:  # one chunk less would pass the wave
                 assert rows * -(-W // (seg - RANK_CHUNK)) > wave, (rows, W, seg)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_table_forms_the_ranges_it_need_not_read(causal, monkeypatch):
+    """Where the ranges follow from the sizes (Problem.first), the table kernel forms them and reads no lo and hi:
+    its table is the one it writes from problem.ranges' tensors, at offsets that clamp below and above, that end
+    inside the first key tile and past S, and lo and hi are then never built."""
+    from hyscale_compile.runtime import problem
+    from hyscale_compile.runtime.table_path import composites
+
+    B, T, S = 2, 5, 70
+    q, kx, w = random_inputs(B=B, T=T, S=S)
+    for offset in ((-T - 3, -T, -2, 0, 3, 60, S - T, S, S + 9) if causal else (0,)):
+        vis = Visibility(causal=causal, offset=offset)
+        pb = Problem(q, kx, w, 0.5, True, vis, -7.0)
+        assert pb.first is not None and -T <= pb.first <= S
+        got = composites(pb)
+        assert "_ranges" not in pb.__dict__, offset  # lo and hi were not built
+        with monkeypatch.context() as m:
+            m.setattr(problem.Problem, "first", property(lambda self: None))
+            assert torch.equal(got, composites(Problem(q, kx, w, 0.5, True, vis, -7.0))), offset
+    windows = Problem(q, kx, w, 0.5, True, Visibility(causal=causal, starts=torch.full((B, T), 2)), NEG_INF)
+    assert windows.first is None
