@@ -136,9 +136,13 @@ def _own_arithmetic(t: Tensor):
     in, compiled with the ``eager`` compiler or called by hand, an autocast around a compiled model, a backward
     called inside one), which would round the reference's fp32 scores to the autocast dtype (and fail its backward).
     Nothing is entered where autocast is off: the check costs a decode step nothing."""
-    if t.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(t.device.type):
+    kind = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
+    if kind is not None and torch.is_autocast_enabled(kind):
         return without_autocast(t.device)
-    return contextlib.nullcontext()
+    return _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def _vis(causal, offset, offsets, starts, ends, mask, bias, rows=None, causal_additive=False) -> Visibility:

@@ -35,9 +35,10 @@ except ImportError:  # pragma: no cover - another Triton: every launch takes Tri
 
 
 class _Layout:
-    """What the fast path needs of a kernel's signature: its runtime parameters' count and specialization flags,
-    and its constexprs' names and defaults, in order (``ok`` False where the kernel does not fit the fast path);
-    and the kernel's variants seen so far (key -> (compiled kernel, its constexpr values in order))."""
+    """What the fast path needs of a kernel's signature: its runtime parameters' count and specialization flags
+    (as runs of consecutive parameters with the same flags), and its constexprs' names and defaults, in order
+    (``ok`` False where the kernel does not fit the fast path); and the kernel's variants seen so far (key ->
+    (compiled kernel, its constexpr values in order))."""
 
     def __init__(self, kernel) -> None:
         params = kernel.params
@@ -45,11 +46,22 @@ class _Layout:
         runtime, consts = params[:n], params[n:]
         self.ok = all(not p.annotation_type for p in runtime) and all(p.is_constexpr for p in consts)
         self.n_args = n
-        self.flags = tuple((p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
-                           for p in runtime)
-        self.plain = all(f == (False, True, True) for f in self.flags)
+        flags = [(p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in runtime]
+        self.runs = _runs(flags)
+        self.plain = all(f == _DEFAULT_FLAGS for f in flags)
         self.consts = tuple((p.name, p.default) for p in consts)
         self.variants: dict[tuple, tuple] = {}
+
+
+def _runs(flags: list[tuple]) -> tuple[tuple[int, int, tuple], ...]:
+    """(start, stop, flags) of each run of consecutive parameters with the same flags."""
+    runs: list[tuple[int, int, tuple]] = []
+    for i, f in enumerate(flags):
+        if runs and runs[-1][2] == f:
+            runs[-1] = (runs[-1][0], i + 1, f)
+        else:
+            runs.append((i, i + 1, f))
+    return tuple(runs)
 
 
 def _layout(kernel) -> _Layout:
@@ -81,12 +93,22 @@ def _watched(kernel) -> bool:
 def specialization(lay: _Layout, backend, args: tuple) -> tuple:
     """What Triton's binder computes for the runtime arguments ``args`` (its specialization list, less the
     constexprs): each argument's type and attributes (a tensor's alignment, an int's divisibility by 16, the int 1
-    as a constant), by the same native function with the same flags. A kernel whose parameters all take the
-    default flags gets it in one call over the tuple of its arguments (the function's own recursion into a tuple:
-    the same answers, as (types, attributes), in one call instead of one a parameter)."""
+    as a constant), by the same native function with the same flags. A run of parameters with the default flags
+    takes one call over the tuple of its arguments (the function's own recursion into a tuple, which applies the
+    default flags to each: the same answers, as (types, attributes), in one call instead of one a parameter); a
+    parameter with flags of its own, one call. A kernel whose parameters all take the default flags is one call."""
     if lay.plain:
         return native_specialize_impl(backend, args, False, True, True)
-    return tuple([native_specialize_impl(backend, a, *f) for a, f in zip(args, lay.flags)])
+    spec = []
+    for a, b, flags in lay.runs:
+        if flags == _DEFAULT_FLAGS:
+            spec.append(native_specialize_impl(backend, args[a:b], False, True, True))
+        else:
+            spec.extend([native_specialize_impl(backend, x, *flags) for x in args[a:b]])
+    return tuple(spec)
+
+
+_DEFAULT_FLAGS = (False, True, True)  # (is_const, specialize the value, specialize the alignment)
 
 
 def launch(kernel, grid: tuple, args: tuple, kw: Mapping) -> None:

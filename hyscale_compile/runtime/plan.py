@@ -146,6 +146,7 @@ def table_route(rows: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool) 
     return rows * S * 8 <= TABLE_MAX_BYTES * (1 if captured else EAGER_TABLE_FACTOR)
 
 
+@functools.lru_cache(maxsize=16)  # asked on every call of the table route's split ranker; it never changes
 def multiprocessors(device: torch.device) -> int:
     """The device's SMs (one on the CPU)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

@@ -134,10 +134,20 @@ def _sizes(samples, chunk, list_chunk, warps) -> tuple[int, int, int, int]:
     """The kernels' sample and chunk sizes and warps: RANK_* on a device, INTERPRETED under the interpreter; a
     value given wins (tests)."""
     d = INTERPRETED if interpreting() else _ON_DEVICE
+    if samples is None and chunk is None and list_chunk is None and warps is None:  # every call but tests'
+        return d["samples"], d["chunk"], d["list_chunk"], d["warps"]
     got = dict(samples=samples, chunk=chunk, list_chunk=list_chunk, warps=warps)
     samples, chunk, list_chunk, warps = (d[n] if got[n] is None else got[n] for n in d)
-    assert chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15  # see final_select._slots
+    assert _fits(chunk, list_chunk, warps), "rank: chunks must be whole steps of the warps' threads"
     return samples, chunk, list_chunk, warps
+
+
+def _fits(chunk: int, list_chunk: int, warps: int) -> bool:
+    """Chunks of whole steps of the program's threads, a chunk's slots countable in 15 bits (final_select._slots)."""
+    return chunk % (32 * warps) == 0 and list_chunk % (32 * warps) == 0 and chunk < 2**15
+
+
+assert all(_fits(d["chunk"], d["list_chunk"], d["warps"]) for d in (INTERPRETED, _ON_DEVICE))
 
 
 def split_keys(rows: int, W: int, sms: int) -> int:

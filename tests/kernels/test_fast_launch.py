@@ -94,12 +94,30 @@ def test_specialization_is_the_binders(seed=0):
         assert list(zip(types, attrs)) == list(_binder_spec(k, args, dict(BLOCK=4)))
 
 
-def test_specialization_follows_the_kernels_flags():
-    k = JITFunction(_toy, do_not_specialize=["n"], do_not_specialize_on_alignment=["x_ptr"])
+def _flat(spec: tuple) -> list:
+    """specialization's answer as one (type, attribute) pair per argument: a run of default-flag parameters
+    answers (types, attributes), a parameter with flags of its own (type, attribute)."""
+    out = []
+    for got in spec:
+        out.extend(zip(*got) if isinstance(got[0], tuple) else [got])
+    return out
+
+
+@pytest.mark.parametrize("flags", [dict(do_not_specialize=["n"], do_not_specialize_on_alignment=["x_ptr"]),
+                                   dict(do_not_specialize=["n", "flag"]), dict(do_not_specialize=["x_ptr", "scale"]),
+                                   dict(do_not_specialize_on_alignment=["x_ptr"])])
+def test_specialization_follows_the_kernels_flags(flags, seed=1):
+    """Runs of parameters with the same flags, each specialized in one call: Triton's binder's answers, for the
+    flags at the start, in the middle and at the end of the signature."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    k = JITFunction(_toy, **flags)
     lay = fast_launch._Layout(k)
     assert not lay.plain
-    for args in [(torch.zeros(8)[1:], 16, 0.5, True), (torch.zeros(8), 1, 0.5, False), (torch.zeros(8), 17, 1.0, 1)]:
-        assert fast_launch.specialization(lay, BaseBackend, args) == _binder_spec(k, args, dict(BLOCK=4))
+    fixed = [(torch.zeros(8)[1:], 16, 0.5, True), (torch.zeros(8), 1, 0.5, False), (torch.zeros(8), 17, 1.0, 1)]
+    for args in fixed + [tuple(_values(rng)) for _ in range(100)]:
+        assert _flat(fast_launch.specialization(lay, BaseBackend, args)) == list(_binder_spec(k, args, dict(BLOCK=4)))
 
 
 def test_layouts_that_do_not_fit():
