@@ -20,7 +20,7 @@ SCRIPTS = ["selection.py", "training.py", "context_parallel.py", "precision.py",
            "tuning/tune_descriptors.py", "tuning/tune_floor_ws.py", "tuning/tune_replay.py", "tuning/tune_rescore.py",
            "tuning/recovery.py",
            "tuning/host_overhead.py", "tuning/candidate_target.py", "tuning/tune_sparse_backward.py",
-           "tuning/host_pieces.py"]
+           "tuning/host_pieces.py", "tuning/ranker_rows.py"]
 # the longest smoke runs, longest first (CPU, the interpreter: 41, 36, 25, 19, 19, 18 s)
 SLOWEST = ("tuning/tune_selection.py", "tuning/tune_floor_ws.py", "tuning/tune_replay.py", "model.py", "selection.py",
            "tuning/tune_descriptors.py")
