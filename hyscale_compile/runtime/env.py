@@ -1,12 +1,15 @@
-"""Where the runtime's kernels run: the Triton interpreter or a device, and whether Triton is there at all.
+"""Where the runtime's kernels run: the Triton interpreter or a device (and its SMs), and whether Triton is there.
 
 A leaf module (it imports nothing of ours), so every kernel module can ask without import cycles.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+
+import torch
 
 try:
     from triton import knobs as _knobs
@@ -25,3 +28,9 @@ def interpreting() -> bool:
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=16)  # launches size their grids by it on every call; it never changes
+def multiprocessors(device: torch.device) -> int:
+    """The device's SMs (one off CUDA)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

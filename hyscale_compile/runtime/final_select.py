@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .env import multiprocessors
 from .final_pivots import SAMPLE, list_room, pivot_ranks, pool_lists
 from .final_sort import decode, decode_words, sort_decode_kernel, sort_warps, sort_width
 from .reference import order_key as order_key_ref
@@ -278,7 +279,7 @@ def final_select_kernel(buf_ptr, used_ptr, tail_ptr, out_ptr, val_ptr, scr_ptr, 
 def _programs(device: torch.device) -> int:
     """About what fits at once (96 registers x 128 threads: 5 per SM on an H200); more only idle."""
     if device.type == "cuda":
-        return 6 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 6 * multiprocessors(device)
     return 2
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .env import multiprocessors
+
 # Recovery in one launch on CUDA (all passes, grid barriers between them) instead of PASSES + 1 launches.
 # False goes back to one launch per pass (for a GPU shared so that half its SMs cannot hold one program
 # each at once).
@@ -53,6 +55,6 @@ def one_launch_grids(dev: torch.device) -> list[tuple[int, bool]]:
     would deadlock at the first barrier); one per SM, cooperative; at last a plain launch on half the
     SMs (a process limited to part of the GPU still holds them all). A grid refused once is skipped
     after, for every kernel variant (a refusal depends on the variant's registers: conservative)."""
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = multiprocessors(dev)
     grids = [(sms * RECOVER_PROGRAMS_PER_SM, True), (sms, True)] if RECOVER_COOPERATIVE else []
     return [g for g in grids if (dev, *g) not in _one_launch_failed] + [(max(1, sms // 2), False)]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .env import interpreting
+from .env import interpreting, multiprocessors
 from .filter_append import APPEND_ATOMIC, APPEND_PTX, APPEND_RESERVED
 from .final_pivots import lists_fit_rows
 from .final_sort import SORT_MAX
@@ -144,12 +144,6 @@ def table_route(rows: int, S: int, tuning: Tuning = DEFAULT, *, captured: bool) 
     if tuning.table is not None:
         return tuning.table
     return rows * S * 8 <= TABLE_MAX_BYTES * (1 if captured else EAGER_TABLE_FACTOR)
-
-
-@functools.lru_cache(maxsize=16)  # asked on every call of the table route's split ranker; it never changes
-def multiprocessors(device: torch.device) -> int:
-    """The device's SMs (one on the CPU)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def device_programs(device: torch.device, tuning: Tuning = DEFAULT) -> int:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .env import interpreting
+from .env import interpreting, multiprocessors
 from .reference import Visibility
 from .score_tile import precision
 
@@ -79,7 +79,7 @@ def _slices(rows: int, K: int, BK: int, per_sm: int, device: torch.device) -> in
     runs programs one by one)."""
     if device.type != "cuda" or per_sm <= 0:
         return 1
-    target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    target = per_sm * multiprocessors(device)
     return max(1, min(triton.cdiv(K, BK), triton.cdiv(target, rows)))
 
 

@@ -28,9 +28,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .env import multiprocessors
 from .filter import tile_scores
 from .final_sort import values
-from .plan import Plan, multiprocessors
+from .plan import Plan
 from .problem import Problem, cdiv
 from .score_tile import block_rows, block_rows_from, composite, order_key, tile_values
 from .table_rank import rank, split_keys

@@ -6,8 +6,6 @@ of grids is host logic, tested here with a stand-in device of 10 SMs.
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from hyscale_compile.runtime import launch_policy
@@ -15,7 +13,7 @@ from hyscale_compile.runtime import launch_policy
 
 def test_grids_cooperative_first_then_half_the_sms(monkeypatch):
     dev = torch.device("cuda", 7)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=10))
+    monkeypatch.setattr(launch_policy, "multiprocessors", lambda d: 10)
     monkeypatch.setattr(launch_policy, "_one_launch_failed", set())
     monkeypatch.setattr(launch_policy, "RECOVER_PROGRAMS_PER_SM", 2)
     assert launch_policy.one_launch_grids(dev) == [(20, True), (10, True), (5, False)]

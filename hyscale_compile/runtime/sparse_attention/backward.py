@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..env import multiprocessors
 from . import common
 
 # used inside the kernels
@@ -453,7 +454,7 @@ def _slices(programs: int, K: int, BK: int, device: torch.device) -> int:
     """Slices per row so that the chunk's programs reach PROGRAMS_PER_SM a SM (1 on the CPU)."""
     if device.type != "cuda" or PROGRAMS_PER_SM <= 0:
         return 1
-    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    target = PROGRAMS_PER_SM * multiprocessors(device)
     return max(1, min(triton.cdiv(K, BK), triton.cdiv(target, programs)))
 
 
