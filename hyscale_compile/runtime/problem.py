@@ -24,7 +24,8 @@ from .score_tile import TileConfig, act_kind, block_d, precision, tma_views
 
 class Problem:
     """Operands, strides, constexpr flags and row ranges of one call, for tiles of ``tile`` (default:
-    ``score_tile.TILE`` as it is at construction)."""
+    ``score_tile.TILE`` as it is at construction). It belongs to that call: the tensors it makes (lo and hi on
+    first use) are made where the call runs, inside a CUDA graph's capture or outside it, and serve only there."""
 
     def __init__(self, q: Tensor, kx: Tensor, weights: Tensor | None, scale: float, relu: bool, vis: Visibility,
                  fill: float, tile: TileConfig | None = None):

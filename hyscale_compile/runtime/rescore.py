@@ -98,7 +98,7 @@ def _load_heads(q_row, c, sqh, offs_d, d_ok, H: tl.constexpr, BH: tl.constexpr):
 
 @triton.jit
 def _row_weights(w_row, swh, scale, H: tl.constexpr, BH: tl.constexpr):
-    """The row's BH head weights times the scale as scalars (0 past H; score_tile's product), loaded once per
+    """The row's BH head weights times the scale as scalars (score_tile's product; past H unused), loaded once per
     program: loaded per block they were 64 uniform loads per thread per 64 keys at H=64, 8x the load
     instructions of the key gathers."""
     ws = ()

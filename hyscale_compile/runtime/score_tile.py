@@ -214,7 +214,7 @@ def block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT: tl.constexpr):
 @triton.jit
 def block_rows_from(pid_t, b, T, first, S, BT: tl.constexpr):
     """block_rows where the ranges follow from the sizes (``Problem.first``): row t sees [0, clamp(t + first, 0,
-    S)), the values problem.ranges would have written."""
+    S)), the values problem.ranges would have written for rows below T (callers mask the others by row_ok)."""
     rows_t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
     row_ok = rows_t < T
     rid = b * T + rows_t

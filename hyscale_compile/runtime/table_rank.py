@@ -138,7 +138,7 @@ def _sizes(samples, chunk, list_chunk, warps) -> tuple[int, int, int, int]:
         return d["samples"], d["chunk"], d["list_chunk"], d["warps"]
     got = dict(samples=samples, chunk=chunk, list_chunk=list_chunk, warps=warps)
     samples, chunk, list_chunk, warps = (d[n] if got[n] is None else got[n] for n in d)
-    assert _fits(chunk, list_chunk, warps), "rank: chunks must be whole steps of the warps' threads"
+    assert _fits(chunk, list_chunk, warps), "rank: chunks of whole steps of the warps' threads, below 2**15"
     return samples, chunk, list_chunk, warps
 
 

@@ -81,6 +81,19 @@ def test_table_rankers_row_sizes_are_not_specialized():
         assert len(seen) == 1, kernel
 
 
+def test_table_kernels_first_is_not_specialized():
+    """The table kernel's ``first`` (the causal offset + 1) moves every decode step: one specialization for every
+    value, 1 and multiples of 16 included, and a different one where it is specialized (the test can fail)."""
+    k = _jit(table_kernel)
+    lay = fast_launch._Layout(k)
+    names = [p.name for p in k.params[:lay.n_args]]
+    t = torch.zeros(4, dtype=torch.int64)
+    args = lambda first: tuple(first if n == "first" else 3 if n in ("T", "H") else t for n in names)  # noqa: E731
+    assert len({fast_launch.specialization(lay, BaseBackend, args(f)) for f in (1, 2, 16, 17, 32, 4097)}) == 1
+    plain = fast_launch._Layout(JITFunction(k.fn))
+    assert len({fast_launch.specialization(plain, BaseBackend, args(f)) for f in (1, 2, 16)}) == 3
+
+
 def test_specialization_is_the_binders(seed=0):
     import numpy as np
 

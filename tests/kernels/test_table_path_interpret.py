@@ -436,16 +436,47 @@ def test_table_forms_the_ranges_it_need_not_read(causal, monkeypatch):
     from hyscale_compile.runtime import problem
     from hyscale_compile.runtime.table_path import composites
 
-    B, T, S = 2, 5, 70
-    q, kx, w = random_inputs(B=B, T=T, S=S)
-    for offset in ((-T - 3, -T, -2, 0, 3, 60, S - T, S, S + 9) if causal else (0,)):
-        vis = Visibility(causal=causal, offset=offset)
-        pb = Problem(q, kx, w, 0.5, True, vis, -7.0)
-        assert pb.first is not None and -T <= pb.first <= S
+    B, S = 2, 150
+    for T, offsets in ((5, (-8, -5, -2, 0, 3, 60, S - 5, S, S + 9)), (70, (-71, 0, 63, S - 70, S))):  # 70: two row blocks
+        q, kx, w = random_inputs(B=B, T=T, S=S, H=2, D=16)
+        for offset in (offsets if causal else (0,)):
+            vis = Visibility(causal=causal, offset=offset)
+            pb = Problem(q, kx, w, 0.5, True, vis, -7.0)
+            assert pb.first is not None and -T <= pb.first <= S
+            got = composites(pb)
+            assert "_ranges" not in pb.__dict__, offset  # lo and hi were not built
+            with monkeypatch.context() as m:
+                m.setattr(problem.Problem, "first", property(lambda self: None))
+                assert torch.equal(got, composites(Problem(q, kx, w, 0.5, True, vis, -7.0))), (T, offset)
+    if causal:  # the additive causal mask with a finite fill is a bias on all keys: first = S, the bias does the rest
+        additive = Visibility(causal=True, offset=S - T - 4, causal_additive=True)
+        pb = Problem(q, kx, w, 0.5, True, additive, -7.0)
+        assert pb.first == S
         got = composites(pb)
-        assert "_ranges" not in pb.__dict__, offset  # lo and hi were not built
         with monkeypatch.context() as m:
             m.setattr(problem.Problem, "first", property(lambda self: None))
-            assert torch.equal(got, composites(Problem(q, kx, w, 0.5, True, vis, -7.0))), offset
+            assert torch.equal(got, composites(Problem(q, kx, w, 0.5, True, additive, -7.0)))
     windows = Problem(q, kx, w, 0.5, True, Visibility(causal=causal, starts=torch.full((B, T), 2)), NEG_INF)
     assert windows.first is None
+
+
+@pytest.mark.parametrize("scale", [0.1, -0.3])
+@pytest.mark.parametrize("layout", ["dense", "broadcast", "permuted", "sliced", "fp16"])
+def test_weights_times_scale_rounded_as_torch_rounds_it(layout, scale):
+    """The kernels multiply each weight by the scale (an fp32 argument): one rounding, torch's. With one head and
+    exact dots (eighths) each value is that product times the dot, rounded once, so a product rounded another way
+    (the scale applied to the dot, or in fp64) changes bits. Weights of every layout the op hands over: dense, a
+    broadcast view (stride 0), permuted and sliced strides, 16-bit; select on both routes, the reference and the
+    rescore of the picks agree bit for bit."""
+    B, T, S = 2, 5, 200
+    q, kx, _ = exact_inputs(B=B, T=T, H=1, S=S, seed=7)
+    g = torch.Generator().manual_seed(8)
+    w = {"dense": lambda: torch.randn(B, T, 1, generator=g),
+         "broadcast": lambda: torch.randn(B, 1, 1, generator=g).expand(B, T, 1),
+         "permuted": lambda: torch.randn(T, B, 1, generator=g).permute(1, 0, 2),
+         "sliced": lambda: torch.randn(B, 2 * T, 1, generator=g)[:, ::2],
+         "fp16": lambda: torch.randn(B, T, 1, generator=g).half()}[layout]()
+    vis = Visibility(causal=True, offset=S - T)
+    values, indices = routes(q, kx, w, 13, vis, scale=scale, rankers=layout == "dense")
+    again = hytopk.rescore(q, kx, w, indices, scale, True, vis, NEG_INF)
+    assert torch.equal(bits(again), bits(values))
