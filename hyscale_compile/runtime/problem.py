@@ -64,12 +64,8 @@ class Problem:
     def first(self) -> int | None:
         """Where the row ranges follow from the sizes alone (no windows, no per-batch offsets): row t sees keys
         [0, min(max(t + first, 0), S)), so a kernel can form them itself instead of reading lo and hi (which then
-        need not be built: on a decode step whose offset moves every call, a few ops of host work). Else None.
-        Clamped to [-T, S], which gives the same ranges for rows 0..T-1 and keeps it an int32 argument."""
-        vis = self.vis
-        if vis.starts is not None or vis.ends is not None or vis.offsets is not None:
-            return None
-        return min(max(int(vis.offset) + 1, -self.T), self.S) if vis.causal else self.S
+        need not be built: on a decode step whose offset moves every call, a few ops of host work). Else None."""
+        return sizes_first(self.vis, self.T, self.S)
 
     @property
     def rows(self) -> int:
@@ -148,10 +144,20 @@ def _operands(q: Tensor, kx: Tensor, weights: Tensor | None) -> tuple[Tensor, Te
     return _heads_in_int32(_unit_last(q)), _unit_last(kx), weights
 
 
+def sizes_first(vis: Visibility, T: int, S: int) -> int | None:
+    """Where the row ranges are a function of the sizes alone (causal with an int offset, or none; no windows, no
+    per-batch offsets): ``first`` such that row t sees [0, clamp(t + first, 0, S)). Else None. Clamped to [-T, S],
+    which gives the same ranges for rows 0..T-1 and keeps it an int32 kernel argument."""
+    if vis.starts is not None or vis.ends is not None or vis.offsets is not None:
+        return None
+    return min(max(int(vis.offset) + 1, -T), S) if vis.causal else S
+
+
 def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Each row's key range [lo, hi) from causal and windows (int64 [B, T]); lo <= hi always."""
-    if vis.starts is None and vis.ends is None and vis.offsets is None:  # a function of the sizes alone
-        return _static_ranges(B, T, S, bool(vis.causal), int(vis.offset), device)
+    first = sizes_first(vis, T, S)
+    if first is not None:
+        return _static_ranges(B, T, S, first, device)
     lo = torch.zeros(B, T, dtype=torch.int64, device=device)
     hi = torch.full((B, T), S, dtype=torch.int64, device=device)
     if vis.causal:
@@ -168,9 +174,8 @@ def ranges(vis: Visibility, B: int, T: int, S: int, device: torch.device) -> tup
     return lo.contiguous(), hi.contiguous()
 
 
-def _static_ranges(B: int, T: int, S: int, causal: bool, offset: int,
-                   device: torch.device) -> tuple[Tensor, Tensor]:
-    """Ranges that follow from the sizes alone (causal with an int offset, or none), kept per sizes and stream:
+def _static_ranges(B: int, T: int, S: int, first: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Ranges that follow from the sizes alone (``sizes_first``), kept per sizes and stream:
     a decode step asks for the same ones every call, and building them is three launches of host work. Nothing
     writes them (the kernels only read lo and hi).
 
@@ -180,17 +185,13 @@ def _static_ranges(B: int, T: int, S: int, causal: bool, offset: int,
     of the key: an evicted tensor's memory goes back to its stream's pool, reused only by work ordered after
     the kernels that read it."""
     if capturing(device):
-        return _build_ranges(B, T, S, causal, offset, device, _new_zeros(B, T, device))
-    return kept(_RANGES, (B, T, S, causal, offset, device, _stream(device)),
-                lambda: _build_ranges(B, T, S, causal, offset, device, _zeros(B, T, device)), _KEPT_MAX)
+        return _build_ranges(B, T, S, first, device, _new_zeros(B, T, device))
+    return kept(_RANGES, (B, T, S, first, device, _stream(device)),
+                lambda: _build_ranges(B, T, S, first, device, _zeros(B, T, device)), _KEPT_MAX)
 
 
-def _build_ranges(B: int, T: int, S: int, causal: bool, offset: int, device: torch.device,
-                  lo: Tensor) -> tuple[Tensor, Tensor]:
-    if not causal:
-        return lo, torch.full((B, T), S, dtype=torch.int64, device=device)
-    first = offset + 1  # row t sees the keys below t + offset + 1
-    hi = torch.arange(first, first + T, dtype=torch.int64, device=device).clamp_(0, S)
+def _build_ranges(B: int, T: int, S: int, first: int, device: torch.device, lo: Tensor) -> tuple[Tensor, Tensor]:
+    hi = torch.arange(first, first + T, dtype=torch.int64, device=device).clamp_(0, S)  # no causal mask: all S
     return lo, hi.view(1, T) if B == 1 else hi.expand(B, T).contiguous()
 
 
