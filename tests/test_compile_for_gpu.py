@@ -30,3 +30,16 @@ def test_training_kernels_compile_for_sm90():
                  "split_pass_kernel", "split_finish_kernel", "_row_kernel", "_contrib_kernel", "_segment_kernel",
                  "_fwd_kernel"):
         assert name in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels themselves (tests/gpu)")
+def test_rescore_shuffles_hold_for_sm90():
+    """The sm_90 build of the rescore lays its MMA result out as the quad transpose's warp shuffles assume
+    (``quad_transpose.layout_holds`` on the compiled IR), at 64 and at 32 heads a MMA: the GPU then takes the
+    shuffles, not the fallback through shared memory. A Triton whose layout differs fails here first."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "rescore"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for H in (64, 32):
+        assert f"rescore shuffles hold at H={H}: [True]" in done.stdout, done.stdout

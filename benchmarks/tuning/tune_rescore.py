@@ -55,7 +55,7 @@ DEADLINE = float("inf")  # perf_counter time after which no further variant is s
 # --smoke under the interpreter: the dots and head sums are numpy's, whose summation order follows the array
 # shapes and the CPU's SIMD width, so the bit-for-bit checks hold only where the arithmetic is exact
 EXACT = False
-NAMES = ("BJ", "STAGE_BYTES", "MAX_BH", "GROUPS", "BLOCKS", "STAGES", "WARPS", "W_ONCE", "MAXNREG")
+NAMES = ("BJ", "STAGE_BYTES", "MAX_BH", "GROUPS", "BLOCKS", "STAGES", "WARPS", "W_ONCE", "MAXNREG", "QUAD")
 
 # Overrides of the RESCORE_* settings, the default ({}) first. Every one compiled offline for sm_90a
 # without spills at H = 16 and 64 (--offline). What each tries (NOTES-selection.md, "rescore floor"):
@@ -78,6 +78,7 @@ VARIANTS = [
     dict(BJ=256, STAGE_BYTES=65536, WARPS=8, BLOCKS=4, STAGES=2),
     dict(BJ=256, STAGE_BYTES=65536, WARPS=8, BLOCKS=4, STAGES=2, W_ONCE=False),
     dict(STAGES=1, W_ONCE=False),
+    dict(QUAD=False), dict(QUAD=False, STAGES=4), dict(BLOCKS=8), dict(MAX_BH=32, GROUPS=2, QUAD=False),
 ]
 # Floors at other launches, reference rows (the first floor row is always the default launch's).
 FLOOR_VARIANTS = [dict(BJ=64, BLOCKS=16), dict(WARPS=8)]
@@ -106,7 +107,7 @@ def effective(H: int) -> tuple:
     """What the current RESCORE_* settings launch at H heads (bf16, D = 128): equal tuples, equal launches."""
     bj, bh = rescore.rescore_shape(H, D, 2, "ieee")
     return (bj, bh, rescore.unrolled_groups(H, bh), rescore.RESCORE_BLOCKS, rescore.RESCORE_STAGES,
-            rescore.RESCORE_WARPS, rescore.RESCORE_W_ONCE, rescore.RESCORE_MAXNREG)
+            rescore.RESCORE_WARPS, rescore.RESCORE_W_ONCE, rescore.RESCORE_MAXNREG, rescore.RESCORE_QUAD)
 
 
 def inputs(T: int, S: int, H: int):

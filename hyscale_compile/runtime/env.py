@@ -26,6 +26,15 @@ def interpreting() -> bool:
     return bool(_knobs.runtime.interpret)
 
 
+def compiles_ptx() -> bool:
+    """Triton compiles kernels for an NVIDIA GPU here (not the interpreter, not AMD), so inline PTX may be used."""
+    if interpreting():
+        return False
+    from triton.runtime import driver
+
+    return driver.active.get_current_target().backend == "cuda"
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

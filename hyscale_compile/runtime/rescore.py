@@ -4,10 +4,14 @@ Under activation recomputation the backward needs the selected values again; res
 saved positions per row costs k score dots instead of the whole context. Each program takes one
 query row's picks BJ at a time: the gathered keys times all the row's heads in one MMA, then the
 heads summed in order with score_tile's per-head step (``act_fma``), so every value has the bits
-select computed for it.
+select computed for it. A key's head scores come out of the MMA spread over four threads; on NVIDIA GPUs
+``quad_transpose`` gathers them into one thread by warp shuffles (where the compiled layout is the one it
+assumes), elsewhere Triton moves them through shared memory.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
@@ -15,10 +19,13 @@ import triton.language as tl
 from torch import Tensor
 
 from .columns import columns
-from .env import interpreting
+from .env import compiles_ptx, interpreting
 from .problem import Problem, cdiv
+from .quad_transpose import layout_holds, quad_transposed_columns, row_order
 from .reference import Visibility
 from .score_tile import act_fma, tile_values
+
+log = logging.getLogger("hyscale")
 
 # Rescore tile: RESCORE_BJ gathered keys x all heads (up to RESCORE_MAX_BH) per MMA, RESCORE_BLOCKS
 # such blocks per program, loaded RESCORE_STAGES ahead of use: faster than 64 keys x 16-head MMAs with
@@ -34,6 +41,8 @@ RESCORE_W_ONCE = True  # the row's head weights loaded once per program, not per
 # Tuning knobs (benchmarks/tuning/tune_rescore.py), defaults leave the kernel as it was:
 RESCORE_GROUPS = 1  # head groups of heads_per_mma unrolled per block (e.g. MAX_BH=32, GROUPS=2 at H=64: two
 # [BJ, 32] MMAs, each column-split and summed before the next); past that a runtime loop over groups
+RESCORE_QUAD = True  # a key's heads gathered into one thread by quad_transpose (False: columns' splits, through
+# shared memory on the GPU); the shuffles run only where the compiled layout passes quad_transpose.layout_holds
 RESCORE_MAXNREG = None  # a register cap for the launch (more programs per SM), None: ptxas decides
 
 
@@ -48,13 +57,37 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
     pb = Problem(q, kx, weights, scale, relu, vis, fill)
     idx = indices.to(torch.int64).contiguous()
     bj, bh = rescore_shape(pb.H, pb.consts["BLOCK_D"], pb.kx.element_size(), pb.consts["PREC"])
-    consts = dict(pb.consts, H=pb.H, BJ=bj, BH=bh, NG=unrolled_groups(pb.H, bh), W_ONCE=RESCORE_W_ONCE)
+    ng = unrolled_groups(pb.H, bh)
+    quad = RESCORE_QUAD and bj == 128 and bh in (32, 64) and ng > 0 and RESCORE_WARPS == 4
+    consts = dict(pb.consts, H=pb.H, BJ=bj, BH=bh, NG=ng, W_ONCE=RESCORE_W_ONCE, QUAD=quad,
+                  PTX=quad and compiles_ptx())
     del consts["BT"], consts["BS"]
     picks = bj * RESCORE_BLOCKS
-    rescore_kernel[(B * T, cdiv(K, picks))](pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias,
-                                            T, pb.S, K, pb.scale, pb.fill, picks, *pb.strides, **consts,
-                                            **launch_options())
+    grid = (B * T, cdiv(K, picks))
+    args = (pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias, T, pb.S, K, pb.scale, pb.fill, picks,
+            *pb.strides)
+    opts = launch_options()
+    if consts["PTX"] and not _shuffles_hold(grid, args, consts, opts):
+        consts.update(QUAD=False, PTX=False)
+    rescore_kernel[grid](*args, **consts, **opts)
     return out
+
+
+_SHUFFLES_HOLD: dict[str, bool] = {}  # compiled kernel's hash -> quad_transpose.layout_holds of its IR
+
+
+def _shuffles_hold(grid, args, consts: dict, opts: dict) -> bool:
+    """Whether the kernel these arguments launch, compiled with the quad transpose's PTX, lays its MMA result out
+    as the shuffles assume (checked once per compiled kernel; compiling is all this does, nothing is launched)."""
+    kernel = rescore_kernel.warmup(*args, grid=grid, **consts, **opts)
+    kernel = kernel.result() if hasattr(kernel, "result") else kernel
+    holds = _SHUFFLES_HOLD.get(kernel.hash)
+    if holds is None:
+        holds = _SHUFFLES_HOLD[kernel.hash] = layout_holds(kernel.asm["ttgir"])
+        if not holds:
+            log.warning("hyscale: the rescore's MMA layout is not the one its warp shuffles assume (Triton %s); "
+                        "its head scores go through shared memory instead (same values, slower)", triton.__version__)
+    return holds
 
 
 def launch_options() -> dict:
@@ -108,14 +141,18 @@ def _row_weights(w_row, swh, scale, H: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _head_scores(kg, qt, BH: tl.constexpr, PREC: tl.constexpr):
+def _head_scores(kg, qt, BH: tl.constexpr, PREC: tl.constexpr, QUAD: tl.constexpr = False,
+                 PTX: tl.constexpr = False):
     """The BH heads' dots of the gathered keys kg: one [BJ, D] x [D, BH] MMA, each head's column moved
     out by splits (no arithmetic, no cross-thread sums: a where + sum per head cost BH times the work
-    and failed triton's pipeliner at H=64)."""
+    and failed triton's pipeliner at H=64); with QUAD each of them holds one key a thread, rows in the order
+    ``quad_transpose.row_order`` undoes."""
     if PREC == "upcast":
         s = tl.dot(kg.to(tl.float32), qt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     else:
         s = tl.dot(kg, qt, input_precision=PREC, out_dtype=tl.float32)
+    if QUAD:
+        return quad_transposed_columns(s, BH, PTX)
     return columns(s, BH)
 
 
@@ -141,7 +178,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
                    ACT: tl.constexpr, HAS_W: tl.constexpr, PREC: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, W_ONCE: tl.constexpr = True,
-                   NG: tl.constexpr = 1):
+                   NG: tl.constexpr = 1, QUAD: tl.constexpr = False, PTX: tl.constexpr = False):
     """Values of one query row at ``picks`` given positions, BJ at a time: the gathered keys times the
     row's heads in one [BJ, D] x [D, BH] MMA (BH >= H, up to 64; past that a loop over groups of BH
     heads), then the heads summed in order with score_tile's per-head step.
@@ -156,6 +193,8 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
     loaded once, its weights too with W_ONCE (64 more registers at H=64). A runtime loop over 16-head
     groups at H=64 left the block loop unpipelined. NG > 1 unrolls NG groups of BH heads (one MMA each,
     the heads still summed in order); NG == 0 is the runtime loop over groups.
+    QUAD (BJ = 128, BH of 32 or 64, 4 warps): each MMA's columns regrouped by ``quad_transpose``, by warp shuffles
+    with PTX, by splits and joins without; the values are the same either way, only their threads differ.
     """
     r = tl.program_id(0).to(tl.int64)  # row b * T + t
     b = r // T
@@ -181,7 +220,7 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
         acc = tl.zeros((BJ,), dtype=tl.float32)
         if NG > 0:  # NG MMAs, unrolled, so the block loop stays the innermost (pipelined) loop
             for g in tl.static_range(NG):
-                sh = _head_scores(kg, q_all[g], BH, PREC)
+                sh = _head_scores(kg, q_all[g], BH, PREC, QUAD, PTX)
                 for i in tl.static_range(BH):  # heads in order, score_tile's step
                     if g * BH + i < H:
                         if not HAS_W:
@@ -197,6 +236,8 @@ def rescore_kernel(q_ptr, kx_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, out_ptr, mask_
                 for i in tl.static_range(BH):
                     if c + i < H:
                         acc = act_fma(sh[i], tl.load(w_row + (c + i) * swh) * scale if HAS_W else scale, acc, ACT)
+        if QUAD:
+            acc = row_order(acc)
         val, _ = tile_values(acc[None, :], one + b, one + t, cols, row_ok, c_ok, lo, hi, fill,
                              mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs, HAS_MASK, HAS_BIAS)
         tl.store(out_ptr + r * K + j, canonical(tl.reshape(val, (BJ,))), mask=j_ok)

@@ -162,6 +162,35 @@ def test_descriptor_path_same_bits(dtype, H):
     assert torch.equal(r.view(torch.int32), v.view(torch.int32))
 
 
+@pytest.mark.parametrize("H,over", [(64, {}), (32, {}), (48, {}), (64, {"MAX_BH": 32, "GROUPS": 2})])
+def test_rescore_quad_shuffles_taken_and_same_bits(H, over, monkeypatch):
+    """The rescore regroups each key's heads by warp shuffles here (its compiled layout passes the check) and
+    gives select's bits: random values (every sum inexact), NaN keys, a run of tied keys, two batch elements and
+    300 picks a row (a partial last block); the path through shared memory gives the same bits."""
+    from hyscale_compile.runtime import rescore
+
+    hytopk, _, _ = _mods()
+    for name, value in over.items():
+        monkeypatch.setattr(rescore, "RESCORE_" + name, value)
+    g = torch.Generator(device="cuda").manual_seed(H)
+    B, T, S = 2, 37, 5000
+    q = torch.randn(B, T, H, 128, device="cuda", generator=g).bfloat16()
+    kx = torch.randn(B, S, 128, device="cuda", generator=g)
+    kx[:, ::97] = float("nan")
+    kx[:, 1000:1200] = kx[:, 1000:1001]
+    kx = kx.bfloat16()
+    w = torch.randn(B, T, H, device="cuda", generator=g)
+    vis = Visibility(causal=True, offset=S - T)
+    v, i = hytopk.select(q, kx, w, 300, 0.1, True, vis, NEG_INF)
+    rescore._SHUFFLES_HOLD.clear()
+    r = hytopk.rescore(q, kx, w, i, 0.1, True, vis, NEG_INF)
+    assert rescore._SHUFFLES_HOLD and all(rescore._SHUFFLES_HOLD.values()), "the shuffles' layout check failed"
+    assert torch.equal(r.view(torch.int32), v.view(torch.int32))
+    monkeypatch.setattr(rescore, "RESCORE_QUAD", False)
+    r = hytopk.rescore(q, kx, w, i, 0.1, True, vis, NEG_INF)
+    assert torch.equal(r.view(torch.int32), v.view(torch.int32))
+
+
 def test_long_context_million_keys():
     q, kx, w = exact_inputs(1, 16, 4, 64, 1 << 20, seed=7)
     check_exact(q, kx, w, 512, Visibility(causal=True, offset=(1 << 20) - 16))

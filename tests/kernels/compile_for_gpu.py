@@ -85,7 +85,7 @@ def install() -> None:
     compiler.max_shared_mem.cache_clear()
 
 
-PARTS = ("selection", "backward", "attention")
+PARTS = ("selection", "backward", "attention", "rescore")
 
 
 def run_entry_points(parts=PARTS) -> None:
@@ -136,6 +136,19 @@ def run_entry_points(parts=PARTS) -> None:
             from hyscale_compile.runtime import table_rank  # the split ranker too (these rows take the row one)
 
             table_rank.rank(torch.zeros(B, S, dtype=torch.int64), k, split=table_rank.RANK_CHUNK)
+        if "rescore" in parts:  # the quad transpose's PTX, and whether the compiled layout passes its check
+            from hyscale_compile.runtime import hytopk
+            from hyscale_compile.runtime import rescore as rs
+            from hyscale_compile.runtime.reference import Visibility
+
+            for H_ in (64, 32):
+                q = torch.randn(B, T, H_, D, generator=g).bfloat16()
+                kx = torch.randn(B, S, D, generator=g).bfloat16()
+                w = torch.randn(B, T, H_, generator=g)
+                rs._SHUFFLES_HOLD.clear()
+                hytopk.rescore(q, kx, w, torch.randint(0, S, (B, T, 300), generator=g), 0.1, True,
+                               Visibility(causal=True, offset=S - T), float("-inf"))
+                print(f"rescore shuffles hold at H={H_}: {sorted(set(rs._SHUFFLES_HOLD.values()))}")
         if "attention" in parts:  # MLA latent (v = k[..., :512]), GQA and MHA layouts, forward and backward
             for (H_, G, Dqk, Dv, alias) in ((128, 1, 576, 512, True), (32, 8, 128, 128, False),
                                             (16, 16, 192, 128, False)):

@@ -339,6 +339,9 @@ def test_rescore_shape_rule():
     (70, 16, dict(GROUPS=2), torch.bfloat16, True),  # two unrolled 64-head MMAs
     (70, 16, dict(MAX_BH=16, GROUPS=2), torch.bfloat16, True),  # past GROUPS: the runtime loop
     (19, 16, dict(BJ=128, STAGE_BYTES=65536, MAXNREG=128, WARPS=8), torch.bfloat16, True),  # launch knobs
+    (40, 16, dict(QUAD=False), torch.bfloat16, True),  # 64 heads regrouped through shared memory, not the quads
+    (19, 16, dict(QUAD=False), torch.bfloat16, False),
+    (64, 16, {}, torch.float16, True),  # every head of the quad transpose's [128, 64] tile in use
 ])
 def test_rescore_row_kernel_equals_tile_kernel(monkeypatch, H, D, over, dtype, weights):
     """The per-row rescore (one MMA over all heads, padded to 32 or 64, or a loop over groups of
