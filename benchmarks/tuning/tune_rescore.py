@@ -62,7 +62,8 @@ NAMES = ("BJ", "STAGE_BYTES", "MAX_BH", "GROUPS", "BLOCKS", "STAGES", "WARPS", "
 #   stages / blocks: keys in flight per program; W_ONCE=False: 64 fewer registers at H = 64 (the weights
 #   loaded per block from L1); BJ=64: half the shared memory per program (50 KB at H = 64, 4 programs per
 #   SM instead of 2); MAX_BH + GROUPS: the heads as unrolled 32- or 16-head MMAs, a smaller convert per
-#   MMA; WARPS=8: two warpgroups per block; BJ=256: fewer, larger blocks; STAGES=1: no cp.async.
+#   MMA; WARPS=8: two warpgroups per block; BJ=256: fewer, larger blocks; STAGES=1: no cp.async; QUAD=False:
+#   each key's heads regrouped through shared memory, not by quad_transpose's warp shuffles (the default since v24).
 VARIANTS = [
     {},
     dict(STAGES=2), dict(STAGES=4), dict(BLOCKS=4), dict(BLOCKS=16),
