@@ -122,7 +122,8 @@ def _shuffle_ok(mask: int, shape: list[int], bases: dict | None) -> bool:
     if bases is None or mask not in (1, 2) or sorted(bases) != ["block", "lane", "register", "warp"]:
         return False
     every = [tuple(b) for k in ("register", "lane", "warp", "block") for b in bases[k]]
-    units = [b for b in every if sum(x != 0 for x in b) == 1 and all(x >= 0 and x & (x - 1) == 0 for x in b)]
+    units = [b for b in every if len(b) == len(shape) and sum(x != 0 for x in b) == 1
+             and all(0 <= x < d and x & (x - 1) == 0 for x, d in zip(b, shape))]
     n = 1
     for d in shape:
         n *= d

@@ -80,7 +80,7 @@ def test_layout_holds_on_the_layout_the_shuffles_assume():
 
 
 @pytest.mark.parametrize("case", ["lanes_swapped", "broadcast", "other_operand", "not_linear", "no_shuffle",
-                                  "repeated_basis", "mask_4"])
+                                  "repeated_basis", "past_the_dimension", "mask_4"])
 def test_layout_holds_refuses_anything_else(case):
     """Each of these would make a shuffle move other elements than the split-and-join form (or cannot be read)."""
     ir = {
@@ -91,6 +91,7 @@ def test_layout_holds_refuses_anything_else(case):
                                   "warpsPerCTA = [4, 1, 1], order = [2, 1, 0]}>"),
         "no_shuffle": lambda: _ir().replace("shfl.sync.bfly", "shfl.sync.idx"),
         "repeated_basis": lambda: _ir(_LINEAR.replace("[0, 0, 32]]", "[0, 0, 16]]")),
+        "past_the_dimension": lambda: _ir(_LINEAR.replace("[0, 0, 32]]", "[0, 0, 64]]")),
         "mask_4": lambda: _ir(mask=4),
     }[case]()
     assert not qt.layout_holds(ir)
