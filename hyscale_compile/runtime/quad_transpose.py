@@ -10,14 +10,15 @@ bit for bit, and the head sum after it is score_tile's chain, in the same order.
 
 The exchanges are written as PTX (``shfl.sync.bfly``) on each register, so they rely on the tile still having
 the MMA's layout where they run: register bits column 1, row 8, columns 8 .. N/2, row 64; lane bits columns 2
-and 4, rows 1, 2 and 4; warp bits rows 16 and 32 (sm_90 ``wgmma`` with 4 warps, and sm_80 ``mma.sync`` with
-warps along the rows, lay a [128, N] tile out so). ``rescore.quad_layout_holds`` checks the compiled kernel's IR
-for it before a launch may use this path; the interpreter, which has no PTX, never does.
+and 4, rows 1, 2 and 4; warp bits rows 16 and 32 (as sm_90's ``wgmma`` with 4 warps lays a [128, N] tile out).
+``layout_holds`` checks the compiled kernel's IR for it before the rescore may launch this path
+(``rescore._shuffles_hold``); the interpreter, which has no PTX, runs the splits and joins instead.
 """
 
 from __future__ import annotations
 
 import ast
+import math
 import re
 
 import triton
@@ -124,10 +125,7 @@ def _shuffle_ok(mask: int, shape: list[int], bases: dict | None) -> bool:
     every = [tuple(b) for k in ("register", "lane", "warp", "block") for b in bases[k]]
     units = [b for b in every if len(b) == len(shape) and sum(x != 0 for x in b) == 1
              and all(0 <= x < d and x & (x - 1) == 0 for x, d in zip(b, shape))]
-    n = 1
-    for d in shape:
-        n *= d
-    if len(units) != len(every) or len(set(every)) != len(every) or 1 << len(every) != n:
+    if len(units) != len(every) or len(set(every)) != len(every) or 1 << len(every) != math.prod(shape):
         return False
     lane = bases["lane"]
     want = tuple([0] * (len(shape) - 1) + [2 * mask])
