@@ -114,35 +114,71 @@ _DEFAULT_FLAGS = (False, True, True)  # (is_const, specialize the value, special
 def launch(kernel, grid: tuple, args: tuple, kw: Mapping) -> None:
     """``kernel[grid](*args, **kw)``: ``args`` the runtime arguments in order, ``kw`` the constexprs (by name) and
     the launch options (num_warps, num_stages, maxnreg, ...). Same result; on the fast path, less host work."""
+    found = _fast_key(kernel, grid, args, kw)
+    got = _TRITONS if found is None else _variant(*found)
+    if got is _TRITONS:
+        kernel[grid](*args, **kw)
+        return
+    if got is None:  # Triton's path: compiles or finds the variant, launches it, and hands it back
+        _keep(found, kernel[grid](*args, **kw), kw)
+        return
+    compiled, consts = got
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, driver.active.get_current_stream(found[2]), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *consts)
+
+
+def compiled(kernel, grid: tuple, args: tuple, kw: Mapping):
+    """The compiled kernel that ``launch(kernel, grid, args, kw)`` runs, compiled where it is not yet and nothing
+    launched (for a caller that reads its code first). Kept for ``launch`` as a variant it launches: one binder pass
+    for both, where Triton's ``warmup`` then launch would be two a call."""
+    found = _fast_key(kernel, grid, args, kw)
+    got = _TRITONS if found is None else _variant(*found)
+    if got is not _TRITONS and got is not None:
+        return got[0]
+    done = kernel.warmup(*args, grid=grid, **kw)
+    done = done.result() if hasattr(done, "result") else done
+    if got is None:
+        _keep(found, done, kw)
+    return done
+
+
+def _fast_key(kernel, grid, args: tuple, kw: Mapping) -> tuple | None:
+    """(layout, key, device) of a launch the fast path may take, or None where it takes Triton's path."""
     # (under the interpreter ``triton.jit`` made an InterpretedFunction, not a JITFunction)
     if not FAST or type(kernel) is not JITFunction or callable(grid) or not _driver_ready() or _watched(kernel):
-        kernel[grid](*args, **kw)
-        return
+        return None
     lay = _layout(kernel)
     if not lay.ok or len(args) != lay.n_args:
-        kernel[grid](*args, **kw)
-        return
+        return None
     device = driver.active.get_current_device()
     # what Triton's run adds to the options, and its key, besides the arguments: the debug flags
     debug = kw.get("debug", kernel.debug) or knobs.runtime.debug
     key = (device, specialization(lay, kernel.device_caches[device][3], args), tuple(kw.items()), bool(debug),
            knobs.compilation.instrumentation_mode)
+    return lay, key, device
+
+
+_TRITONS = object()  # _variant's answer for a key it cannot look up: Triton's path
+
+
+def _variant(lay: _Layout, key: tuple, device) -> tuple | None:
+    """The kept (compiled kernel, constexprs) of ``key``, None where none is kept yet, or _TRITONS where the key
+    cannot be one (an option that is not hashable: Triton keys on its str)."""
     try:
-        got = lay.variants.get(key)
-    except TypeError:  # an option that is not hashable (Triton keys on its str): Triton's path
-        kernel[grid](*args, **kw)
-        return
-    if got is None:  # Triton's path: compiles or finds the variant, launches it, and hands it back
-        compiled = kernel[grid](*args, **kw)
-        consts = _constexprs(lay, kw)
-        if compiled is not None and consts is not None:
-            lay.variants[key] = (compiled, consts)
-        return
-    compiled, consts = got
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *consts)
+        return lay.variants.get(key)
+    except TypeError:
+        return _TRITONS
+
+
+def _keep(found: tuple, compiled, kw: Mapping) -> None:
+    """Keep the variant Triton's path handed back under ``found``'s key, with its constexprs' values (not where one
+    is missing)."""
+    lay, key, _ = found
+    consts = _constexprs(lay, kw)
+    if compiled is not None and consts is not None:
+        lay.variants[key] = (compiled, consts)
 
 
 def _constexprs(lay: _Layout, kw: Mapping) -> tuple | None:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import fast_launch
 from .columns import columns
 from .env import compiles_ptx, interpreting
 from .problem import Problem, cdiv
@@ -66,21 +67,19 @@ def rescore(q: Tensor, kx: Tensor, weights: Tensor | None, indices: Tensor, scal
     grid = (B * T, cdiv(K, picks))
     args = (pb.q, pb.kx, pb.wt, pb.lo, pb.hi, idx, out, pb.mask, pb.bias, T, pb.S, K, pb.scale, pb.fill, picks,
             *pb.strides)
-    opts = launch_options()
-    if consts["PTX"] and not _shuffles_hold(grid, args, consts, opts):
-        consts.update(QUAD=False, PTX=False)
-    rescore_kernel[grid](*args, **consts, **opts)
+    kw = dict(consts, **launch_options())
+    if kw["PTX"] and not _shuffles_hold(fast_launch.compiled(rescore_kernel, grid, args, kw)):
+        kw.update(QUAD=False, PTX=False)
+    fast_launch.launch(rescore_kernel, grid, args, kw)
     return out
 
 
 _SHUFFLES_HOLD: dict[str, bool] = {}  # compiled kernel's hash -> quad_transpose.layout_holds of its IR
 
 
-def _shuffles_hold(grid, args, consts: dict, opts: dict) -> bool:
-    """Whether the kernel these arguments launch, compiled with the quad transpose's PTX, lays its MMA result out
-    as the shuffles assume (checked once per compiled kernel; compiling is all this does, nothing is launched)."""
-    kernel = rescore_kernel.warmup(*args, grid=grid, **consts, **opts)
-    kernel = kernel.result() if hasattr(kernel, "result") else kernel
+def _shuffles_hold(kernel) -> bool:
+    """Whether ``kernel``, the rescore compiled with the quad transpose's PTX, lays its MMA result out as the
+    shuffles assume (its IR read once per compiled kernel)."""
     holds = _SHUFFLES_HOLD.get(kernel.hash)
     if holds is None:
         holds = _SHUFFLES_HOLD[kernel.hash] = layout_holds(kernel.asm["ttgir"])

@@ -175,7 +175,7 @@ def stand_in(monkeypatch):
     slow = []
 
     def run(*args, grid, warmup, **kw):
-        slow.append((grid, args, kw))
+        slow.append((grid, args, dict(kw, warmup=warmup)))
         return compiled
 
     compiled = _Compiled()
@@ -281,3 +281,28 @@ def test_defaults_fill_constexprs_not_given(stand_in):
     for _ in range(2):
         fast_launch.launch(k, (1,), (x, 32, 0.5, True), dict(BLOCK=16, MODE=5))
     assert compiled.calls[-1][-2:] == (16, 5)
+
+
+def test_compiled_keeps_the_variant_that_launch_then_runs(stand_in):
+    """``compiled`` hands back the variant without launching it (Triton's warmup, once), and ``launch`` then runs it
+    by the launcher: one binder pass for a caller that reads the kernel's code before launching it."""
+    k, slow, compiled = stand_in
+    call = ((1,), (torch.zeros(64), 32, 0.5, True), dict(BLOCK=16, num_warps=4))
+    assert fast_launch.compiled(k, *call) is compiled
+    assert [s[2]["warmup"] for s in slow] == [True] and not compiled.calls
+    assert fast_launch.compiled(k, *call) is compiled
+    fast_launch.launch(k, *call)
+    assert len(slow) == 1 and len(compiled.calls) == 1
+
+
+def test_compiled_where_launch_takes_tritons_path(stand_in):
+    """Where ``launch`` would take Triton's path (here a pre-run hook watches the kernel), ``compiled`` asks
+    Triton's warmup every time and keeps nothing."""
+    k, slow, compiled = stand_in
+    k.add_pre_run_hook(lambda *a, **kw: None)
+    call = ((1,), (torch.zeros(64), 32, 0.5, True), dict(BLOCK=16))
+    for _ in range(2):
+        assert fast_launch.compiled(k, *call) is compiled
+    fast_launch.launch(k, *call)
+    assert [s[2]["warmup"] for s in slow] == [True, True, False] and not compiled.calls
+    assert not fast_launch._layout(k).variants
