@@ -27,12 +27,21 @@ def interpreting() -> bool:
 
 
 def compiles_ptx() -> bool:
-    """Triton compiles kernels for an NVIDIA GPU here (not the interpreter, not AMD), so inline PTX may be used."""
-    if interpreting():
-        return False
-    from triton.runtime import driver
+    """Triton compiles kernels for an NVIDIA GPU here (not the interpreter, not AMD), so inline PTX may be used.
+    Asked on every select and rescore call: the interpreter's knob is read each time (tests flip it), the driver's
+    target once."""
+    return not interpreting() and _targets_cuda()
 
-    return driver.active.get_current_target().backend == "cuda"
+
+@functools.cache
+def _targets_cuda() -> bool:
+    """Whether Triton's active driver compiles for CUDA (False where there is none: a CPU-only machine)."""
+    try:
+        from triton.runtime import driver
+
+        return driver.active.get_current_target().backend == "cuda"
+    except (ImportError, RuntimeError):
+        return False
 
 
 def triton_available() -> bool:

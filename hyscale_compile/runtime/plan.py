@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .env import interpreting, multiprocessors
+from .env import compiles_ptx, interpreting, multiprocessors
 from .filter_append import APPEND_ATOMIC, APPEND_PTX, APPEND_RESERVED
 from .final_pivots import lists_fit_rows
 from .final_sort import SORT_MAX
@@ -99,7 +99,7 @@ def make_plan(pb: Problem, k: int, tuning: Tuning = DEFAULT) -> Plan:
     table = table_route(pb.rows, pb.S, tuning, captured=capturing(pb.device))
     target, cap, M = sizes(k, pb.S, tuning)
     programs = device_programs(pb.device, tuning)
-    append, asm = append_kind(pb.tile, pb.S, pb.H, cap, asm=not interpreting())
+    append, asm = append_kind(pb.tile, pb.S, pb.H, cap, asm=compiles_ptx())
     return Plan(k=k, target=target, capacity=cap, samples=M, sampled=pb.S > cap, programs=programs,
                 sample_split=tuning.sample_split or cdiv(M, 2 * pb.tile.bs),
                 filter_split=filter_split(pb, programs), append=append, asm=asm,

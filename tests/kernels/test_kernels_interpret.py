@@ -243,6 +243,30 @@ def test_append_rule_on_gpu():
     assert plan.append_kind(score_tile.TILE, 2000, many, 124, asm=True) == (2, True)  # few pass, many heads
 
 
+@pytest.mark.parametrize("backend_is_cuda", [True, False])
+def test_plans_emit_ptx_only_where_triton_compiles_for_cuda(monkeypatch, backend_is_cuda):
+    """A call's plan asks ``env.compiles_ptx`` whether its appends may be inline PTX: off the interpreter on an AMD
+    build (Triton's target not CUDA) the per-entry append is the portable one, as under the interpreter."""
+    from hyscale_compile.runtime import env
+
+    monkeypatch.setattr(env, "interpreting", lambda: False)
+    monkeypatch.setattr(env, "_targets_cuda", lambda: backend_is_cuda)
+    many = plan.RESERVED_APPEND_MAX_HEADS + 1
+    q, kx, w = inputs(B=1, T=2, H=many, D=16, S=2000, seed=23)
+    got = make_plan(Problem(q, kx, w, 0.5, True, Visibility(), NEG_INF), 10, Tuning(capacity=124))
+    assert (got.append, got.asm) == ((2, True) if backend_is_cuda else (1, False))
+
+
+def test_compiles_ptx_asks_the_driver_once():
+    """No PTX under the interpreter, whatever the driver; off it, the answer of Triton's active driver (none on a
+    CPU-only machine), asked once a process."""
+    from hyscale_compile.runtime import env
+
+    assert env.interpreting() and not env.compiles_ptx()
+    assert env._targets_cuda() == (torch.cuda.is_available() and torch.version.hip is None)
+    assert env._targets_cuda.cache_info().currsize == 1
+
+
 def test_descriptor_rule():
     """q and kx go through tensor descriptors only where both read as 2-D row-major views of 16-byte
     aligned memory and D is a power of two; everything else keeps the pointer path."""
