@@ -201,13 +201,10 @@ def key_visible(b, cols, col_ok, mask_ptr, smb, sms):
 @triton.jit
 def block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT: tl.constexpr):
     """Rows of one query block, their [lo, hi) ranges, and the union range of the block."""
-    rows_t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
-    row_ok = rows_t < T
-    rid = b * T + rows_t
+    rows_t, row_ok, rid = _block(pid_t, b, T, BT)
     lo = tl.load(lo_ptr + rid, mask=row_ok, other=0)
     hi = tl.load(hi_ptr + rid, mask=row_ok, other=0)
-    blo = tl.min(tl.where(row_ok & (hi > lo), lo, S), axis=0)
-    bhi = tl.max(tl.where(row_ok, hi, 0), axis=0)
+    blo, bhi = _span(row_ok, lo, hi, S)
     return rows_t, row_ok, rid, lo, hi, blo, bhi
 
 
@@ -215,14 +212,26 @@ def block_rows(pid_t, b, T, lo_ptr, hi_ptr, S, BT: tl.constexpr):
 def block_rows_from(pid_t, b, T, first, S, BT: tl.constexpr):
     """block_rows where the ranges follow from the sizes (``Problem.first``): row t sees [0, clamp(t + first, 0,
     S)), the values problem.ranges would have written for rows below T (callers mask the others by row_ok)."""
-    rows_t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
-    row_ok = rows_t < T
-    rid = b * T + rows_t
+    rows_t, row_ok, rid = _block(pid_t, b, T, BT)
     lo = tl.zeros([BT], dtype=tl.int64)
     hi = tl.minimum(tl.maximum(rows_t + first, 0), S)
+    blo, bhi = _span(row_ok, lo, hi, S)
+    return rows_t, row_ok, rid, lo, hi, blo, bhi
+
+
+@triton.jit
+def _block(pid_t, b, T, BT: tl.constexpr):
+    """Query block pid_t's rows t, which of them exist, and their row ids b * T + t."""
+    rows_t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
+    return rows_t, rows_t < T, b * T + rows_t
+
+
+@triton.jit
+def _span(row_ok, lo, hi, S):
+    """The union [blo, bhi) of the existing rows' ranges (blo = S where none is open)."""
     blo = tl.min(tl.where(row_ok & (hi > lo), lo, S), axis=0)
     bhi = tl.max(tl.where(row_ok, hi, 0), axis=0)
-    return rows_t, row_ok, rid, lo, hi, blo, bhi
+    return blo, bhi
 
 
 @triton.jit
