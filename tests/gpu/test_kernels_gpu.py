@@ -166,7 +166,8 @@ def test_descriptor_path_same_bits(dtype, H):
 def test_rescore_quad_shuffles_taken_and_same_bits(H, over, monkeypatch):
     """The rescore regroups each key's heads by warp shuffles here (its compiled layout passes the check) and
     gives select's bits: random values (every sum inexact), NaN keys, a run of tied keys, two batch elements and
-    300 picks a row (a partial last block); the path through shared memory gives the same bits."""
+    300 picks a row (a partial last block); the path through shared memory gives the same bits. A second call
+    launches the checked variant by fast_launch's launcher."""
     from hyscale_compile.runtime import rescore
 
     hytopk, _, _ = _mods()
@@ -186,6 +187,15 @@ def test_rescore_quad_shuffles_taken_and_same_bits(H, over, monkeypatch):
     r = hytopk.rescore(q, kx, w, i, 0.1, True, vis, NEG_INF)
     assert rescore._SHUFFLES_HOLD and all(rescore._SHUFFLES_HOLD.values()), "the shuffles' layout check failed"
     assert torch.equal(r.view(torch.int32), v.view(torch.int32))
+    from hyscale_compile.runtime import fast_launch
+
+    if fast_launch.FAST:  # the next call finds its checked variant kept: no pass through Triton's binder at all
+        binder = []
+        run = rescore.rescore_kernel.run
+        with monkeypatch.context() as m:
+            m.setattr(rescore.rescore_kernel, "run", lambda *a, **kw: binder.append(kw) or run(*a, **kw))
+            r = hytopk.rescore(q, kx, w, i, 0.1, True, vis, NEG_INF)
+        assert not binder and torch.equal(r.view(torch.int32), v.view(torch.int32))
     monkeypatch.setattr(rescore, "RESCORE_QUAD", False)
     r = hytopk.rescore(q, kx, w, i, 0.1, True, vis, NEG_INF)
     assert torch.equal(r.view(torch.int32), v.view(torch.int32))
