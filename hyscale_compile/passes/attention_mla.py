@@ -30,8 +30,19 @@ from dataclasses import dataclass
 from torch import fx
 
 from .attention_sites import Attention, peel_empty_cat, peel_repeat_kv
-from .graph_ops import arg, dtype, grad_enabled_at, is_one, normalize_dim, op_name, same_size, shape, source_line
-from .legality import METADATA_READERS, requires_grad
+from .graph_ops import (
+    METADATA_READERS,
+    arg,
+    dtype,
+    grad_enabled_at,
+    is_one,
+    normalize_dim,
+    op_name,
+    requires_grad,
+    same_size,
+    shape,
+    source_line,
+)
 from .sites import describe
 
 

@@ -500,7 +500,7 @@ def parse_logits(node: fx.Node):
     scale, nodes, n = 1.0, [], node
     while True:
         name = op_name(n)
-        if name in ("mul", "div") and len(n.args) == 2:
+        if name in ("mul", "div") and len(n.args) == 2 and n.kwargs.get("rounding_mode") is None:
             a, b = n.args
             c = _number(b)
             if c is None and name == "mul":

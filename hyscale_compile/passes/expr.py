@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from .graph_ops import (
+    depends_on,
     is_one,
     is_tensor,
     named_arg,
@@ -135,6 +136,9 @@ def dim_size(sc: Score, label: Label):
 
 def align(sc: Score, node: fx.Node, t: fx.Node) -> Leaf:
     """Labels of a tensor that broadcasts against the score (right-aligned)."""
+    if depends_on(t, set(sc.nodes)):  # (legality.check_readers refuses it too, once the whole chain is known)
+        raise Reject("the score is combined with a tensor computed from the score itself (a condition on it, or "
+                     "its own magnitude: an activation spelled that way is not relu), so the table is needed", node)
     tshape = shape(t)
     if tshape is None or len(tshape) > len(sc.dims):
         raise Reject("a tensor combined with the score would change the score's shape", node)
@@ -167,16 +171,28 @@ def check_factor_labels(sc: Score, leaf: Leaf, node: fx.Node) -> None:
 
 
 def scalar(x) -> float | None:
-    """A constant number: a Python number, or a 0-d ``torch.tensor(number)`` built in the graph."""
+    """A constant number: a Python number, or a 0-d ``torch.tensor(number, dtype=...)`` built in the graph, as that
+    tensor holds it (``torch.tensor(2.5, dtype=torch.int64)`` is 2, ``torch.tensor(0.3, dtype=torch.bfloat16)``
+    0.30078125, ``torch.tensor(1e39)`` inf in float32)."""
     if isinstance(x, fx.Node) and op_name(x) == "tensor" and len(x.args) == 1 and shape(x) == ():
-        if written_in_place(x):
+        if written_in_place(x) or x.kwargs.get("requires_grad"):
             return None
-        x = x.args[0]
+        x = _held(x.args[0], x.kwargs.get("dtype"))
     if isinstance(x, bool):
         return None
     if isinstance(x, numbers.Real):
         return float(x)
     return None
+
+
+def _held(number, dt: torch.dtype | None):
+    """The value a 0-d ``torch.tensor(number, dtype=dt)`` holds (None where torch would not build one)."""
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
+        return None
+    try:
+        return torch.tensor(number, dtype=dt).item()
+    except (TypeError, RuntimeError, OverflowError):
+        return None
 
 
 def score_and_other(node: fx.Node, s_dim: int) -> tuple[Score, object]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import fx
 
 from .expr import (
@@ -22,6 +23,7 @@ from .expr import (
 )
 from .expr_terms import scaled
 from .graph_ops import (
+    dtype,
     is_one,
     is_tensor,
     named_arg,
@@ -180,6 +182,7 @@ def _check_head(sc: Score, head: Label, node: fx.Node) -> Score:
 # ---------------------------------------------------------------------------------------------
 # elementwise factors, masks
 def _sum(node: fx.Node, s_dim: int) -> Score:
+    _check_sum_dtype(node)
     dim = named_arg(node, "dim")
     keepdim = bool(named_arg(node, "keepdim", False))
     ndim = len(shape(node.args[0]) or ())
@@ -209,13 +212,20 @@ def _sum(node: fx.Node, s_dim: int) -> Score:
 
 def _mean(node: fx.Node, s_dim: int) -> Score:
     """mean over the heads: the head sum scaled by 1 / H (H a number; the scale folds into the weights)."""
-    if node.kwargs.get("dtype") is not None:
-        raise Reject("the head mean is taken in another dtype", node)
     sc = _sum(node, s_dim)
     size = dim_size(sc, sc.head)
     if not isinstance(size, int) or size < 1:
         raise Reject("the score is averaged over a dimension of symbolic size", node)
     return scaled(replace(sc, nodes=sc.nodes[:-1]), node, 1.0 / size)
+
+
+def _check_sum_dtype(node: fx.Node) -> None:
+    """A head sum or mean with a ``dtype``: its input's dtype, or float32 (an upcast, as ``.float()`` before it), is
+    the op's arithmetic; float64 is more precise than the op, a 16-bit dtype rounds where the op does not."""
+    dt, given = node.kwargs.get("dtype"), dtype(node.args[0])
+    if dt is not None and dt != given and dt != torch.float32:
+        raise Reject(f"the score is {'summed' if op_name(node) == 'sum' else 'averaged'} over the heads in {dt}; "
+                     "the selection computes in float32", node)
 
 
 HANDLERS.update({"einsum": _contraction, "matmul": _contraction, "sum": _sum, "mean": _mean})

@@ -47,6 +47,9 @@ def scaled(sc: Score, node: fx.Node, c: float) -> Score:
 
 
 def _multiply(node: fx.Node, s_dim: int, divide: bool = False) -> Score:
+    if divide and node.kwargs.get("rounding_mode") is not None:
+        raise Reject(f"the score is divided with rounding_mode={node.kwargs['rounding_mode']!r}, which rounds the "
+                     "quotient: no scale", node)
     sc, other = score_and_other(node, s_dim)
     narrow(sc, node)
     if divide and other is node.args[0]:

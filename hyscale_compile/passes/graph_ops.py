@@ -566,3 +566,31 @@ def own_copies(graph: fx.Graph, op: fx.Node, positions: tuple[int, ...], written
 
 def normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
+
+
+# Ops that read only a tensor's shape, dtype or device: the score may be their input without being written.
+METADATA_READERS = ("full_like", "zeros_like", "ones_like", "empty_like", "new_full", "new_ones", "new_zeros",
+                    "new_empty")
+
+
+def reads_metadata_only(node: fx.Node, of: fx.Node) -> bool:
+    """``node`` reads only the shape, dtype and device of ``of`` (its first argument, and nowhere else)."""
+    if op_name(node) not in METADATA_READERS or not node.args or node.args[0] is not of:
+        return False
+    return of not in node.args[1:] and of not in node.kwargs.values()
+
+
+def depends_on(node, nodes: set[fx.Node]) -> bool:
+    """Does ``node``'s value depend on one of ``nodes``? (A ``full_like(score, ...)`` reads its shape only.)"""
+    if not isinstance(node, fx.Node):
+        return False
+    todo, seen = [node], set()
+    while todo:
+        x = todo.pop()
+        if x in nodes:
+            return True
+        if x not in seen:
+            seen.add(x)
+            shape_only = x.args[0] if x.args and reads_metadata_only(x, x.args[0]) else None
+            todo.extend(a for a in x.all_input_nodes if a is not shape_only)
+    return False

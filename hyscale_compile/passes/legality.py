@@ -22,12 +22,14 @@ from torch import fx
 
 from .graph_ops import (
     Aliases,
+    depends_on,
     dtype,
     grad_enabled_at,
     is_one,
     is_tensor,
     mutates,
     op_name,
+    reads_metadata_only,
     requires_grad,
     shape,
     source_line,
@@ -36,17 +38,6 @@ from .graph_ops import (
 from .index_expr import Leaf, Reject, Score
 from .operands import peel_path
 from .sites import Site, describe, gather_index
-
-# Ops that read only a tensor's shape, dtype or device: the score may be their input without being written.
-METADATA_READERS = ("full_like", "zeros_like", "ones_like", "empty_like", "new_full", "new_ones", "new_zeros",
-                    "new_empty")
-
-
-def reads_metadata_only(node: fx.Node, of: fx.Node) -> bool:
-    """``node`` reads only the shape, dtype and device of ``of`` (its first argument, and nowhere else)."""
-    if op_name(node) not in METADATA_READERS or not node.args or node.args[0] is not of:
-        return False
-    return of not in node.args[1:] and of not in node.kwargs.values()
 
 
 def check_readers(site: Site, sc: Score) -> list[fx.Node]:
@@ -62,7 +53,7 @@ def check_readers(site: Site, sc: Score) -> list[fx.Node]:
                          "written; selection is left as it is", site.topk)
     chain = set(sc.nodes)
     for leaf in (*sc.pre, *sc.key_pre, *sc.weights, *sc.bias, *sc.keep):
-        if _depends_on(leaf.node, chain):
+        if depends_on(leaf.node, chain):
             raise Reject("the score is combined with a tensor computed from the score itself, so the table is "
                          "needed", site.topk)
     for n in sc.nodes:
@@ -75,22 +66,6 @@ def check_readers(site: Site, sc: Score) -> list[fx.Node]:
                 raise Reject(f"an intermediate of the score ({n.name}, e.g. the per-head scores) is read by "
                              f"{describe(user)} at {source_line(user)}", site.topk)
     return metadata
-
-
-def _depends_on(node, nodes: set[fx.Node]) -> bool:
-    """Does ``node``'s value depend on one of ``nodes``? (A ``full_like(score, ...)`` reads its shape only.)"""
-    if not isinstance(node, fx.Node):
-        return False
-    todo, seen = [node], set()
-    while todo:
-        x = todo.pop()
-        if x in nodes:
-            return True
-        if x not in seen:
-            seen.add(x)
-            shape_only = x.args[0] if x.args and reads_metadata_only(x, x.args[0]) else None
-            todo.extend(a for a in x.all_input_nodes if a is not shape_only)
-    return False
 
 
 def check_no_mutation_between(site: Site, sc: Score) -> None:
