@@ -115,8 +115,9 @@ def launch(kernel, grid: tuple, args: tuple, kw: Mapping) -> None:
     """``kernel[grid](*args, **kw)``: ``args`` the runtime arguments in order, ``kw`` the constexprs (by name) and
     the launch options (num_warps, num_stages, maxnreg, ...). Same result; on the fast path, less host work."""
     found = _fast_key(kernel, grid, args, kw)
-    got = _TRITONS if found is None else _variant(*found)
-    if got is _TRITONS:
+    try:
+        got = found[0].variants.get(found[1])
+    except TypeError:  # no key (None), or an option that is not hashable (Triton keys on its str): Triton's path
         kernel[grid](*args, **kw)
         return
     if got is None:  # Triton's path: compiles or finds the variant, launches it, and hands it back
