@@ -291,7 +291,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, print only")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help="step modes to time (\"\": the rescore rows alone)")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of the issue's shapes")
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
     parser.add_argument("--profile", action="store_true", help="profile one hyscale step of the first shape")
@@ -302,7 +302,7 @@ def main() -> None:
     D, k = (16, 8) if args.smoke else (128, 2048)
     shapes = [(32, 128, 2)] if args.smoke else SHAPES[: args.shapes]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    modes = args.modes.split(",")
+    modes = [m for m in args.modes.split(",") if m]  # "" : the rescore rows alone
     if args.profile:
         profile_step(shapes[0], D, k, device, dtype)
         return
