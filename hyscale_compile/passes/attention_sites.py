@@ -20,7 +20,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .graph_ops import arg, dtype, infer_value, is_one, normalize_dim, op_name, same_size, shape, source_line
+from .graph_ops import (
+    arg,
+    dtype,
+    held,
+    infer_value,
+    is_one,
+    normalize_dim,
+    op_name,
+    same_size,
+    shape,
+    source_line,
+    written_in_place,
+)
 from .index_expr import Reject
 from .regions import Links, region_input
 from .report import input_name
@@ -75,10 +87,12 @@ def constant_fill(node) -> object:
         return v
     if name == "tensor":
         x = node.args[0] if node.args else None
+        if written_in_place(node) or node.kwargs.get("requires_grad"):
+            return None
     else:
         x = arg(node, 2 if name == "new_full" else 1, "fill_value")
     if isinstance(x, (bool, int, float)):
-        return x
+        return held(x, dtype(node) or node.kwargs.get("dtype"))  # as the tensor holds it: 2.5 in int64 is 2
     return None
 
 

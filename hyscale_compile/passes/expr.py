@@ -20,6 +20,7 @@ from torch import fx
 
 from .graph_ops import (
     depends_on,
+    held,
     is_one,
     is_tensor,
     named_arg,
@@ -177,22 +178,12 @@ def scalar(x) -> float | None:
     if isinstance(x, fx.Node) and op_name(x) == "tensor" and len(x.args) == 1 and shape(x) == ():
         if written_in_place(x) or x.kwargs.get("requires_grad"):
             return None
-        x = _held(x.args[0], x.kwargs.get("dtype"))
+        x = held(x.args[0], x.kwargs.get("dtype"))
     if isinstance(x, bool):
         return None
     if isinstance(x, numbers.Real):
         return float(x)
     return None
-
-
-def _held(number, dt: torch.dtype | None):
-    """The value a 0-d ``torch.tensor(number, dtype=dt)`` holds (None where torch would not build one)."""
-    if isinstance(number, bool) or not isinstance(number, numbers.Real):
-        return None
-    try:
-        return torch.tensor(number, dtype=dt).item()
-    except (TypeError, RuntimeError, OverflowError):
-        return None
 
 
 def score_and_other(node: fx.Node, s_dim: int) -> tuple[Score, object]:

@@ -122,12 +122,23 @@ def _fill(sc: Score, node: fx.Node, value) -> Score:
         raise Reject("the masked fill value is not a constant number", node)
     dt = dtype(node)
     if dt is not None and dt.is_floating_point and math.isfinite(v) and abs(v) > torch.finfo(dt).max:
-        if op_name(node) == "masked_fill":
-            raise Reject(f"the fill value {v} overflows {dt} (eager raises an error here)", node)
-        v = math.copysign(math.inf, v)  # where() converts the number to the score's dtype: it rounds to inf
+        v = _overflowing_fill(node, value, v, dt)
     if sc.fill is not None and not _same_float(sc.fill, v):
         raise Reject(f"two different fill values ({sc.fill} and {v}) are used on the score", node)
     return sc.with_node(node, fill=v)
+
+
+def _overflowing_fill(node: fx.Node, value, v: float, dt: torch.dtype) -> float:
+    """A fill past ``dt``'s largest value as eager's masked_fill / where writes it into the score: torch rounds some
+    to that largest value (where, bfloat16), others to inf, and raises for others (masked_fill, and where given a
+    number float32 cannot hold), each op and operand kind its own way, so it is asked."""
+    fill = torch.tensor(v, dtype=dtype(value)) if isinstance(value, fx.Node) else value
+    score, hidden = torch.zeros(1, dtype=dt), torch.ones(1, dtype=torch.bool)
+    try:
+        out = score.masked_fill(hidden, fill) if op_name(node) == "masked_fill" else torch.where(hidden, fill, score)
+    except (RuntimeError, OverflowError):
+        raise Reject(f"the fill value {v} overflows {dt} (eager raises an error here)", node) from None
+    return out.item()
 
 
 def _same_float(a: float, b: float) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import operator
 from typing import Any
 
@@ -154,10 +155,19 @@ def op_name(node: Any) -> str | None:
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_function":
-        return _FUNCTIONS.get(node.target)
-    if node.op == "call_method":
-        return _METHODS.get(node.target)
-    return None
+        name = _FUNCTIONS.get(node.target)
+    elif node.op == "call_method":
+        name = _METHODS.get(node.target)
+    else:
+        return None
+    if name == "reshape" and _bitcast(node):
+        return None  # x.view(dtype) reinterprets the bits: no reshape
+    return name
+
+
+def _bitcast(node: fx.Node) -> bool:
+    """``x.view(torch.int32)``: a view given a dtype, not a shape."""
+    return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -594,3 +604,14 @@ def depends_on(node, nodes: set[fx.Node]) -> bool:
             shape_only = x.args[0] if x.args and reads_metadata_only(x, x.args[0]) else None
             todo.extend(a for a in x.all_input_nodes if a is not shape_only)
     return False
+
+
+def held(number, dt: torch.dtype | None):
+    """The value a constant tensor of dtype ``dt`` filled with ``number`` holds, as torch builds it
+    (``torch.tensor(2.5, dtype=torch.int64)`` holds 2, ``torch.tensor(1e39)`` inf; None where torch builds none)."""
+    if not isinstance(number, numbers.Real):
+        return None
+    try:
+        return torch.tensor(number, dtype=dt).item()
+    except (TypeError, RuntimeError, OverflowError):
+        return None

@@ -157,7 +157,7 @@ def _is_gather_at(user: fx.Node, score: fx.Node, s_dim: int, ndim: int, indices:
     """``score.gather(s_dim, idx)`` or ``take_along_dim(score, idx, s_dim)`` at the site's own indices."""
     if op_name(user) == "take_along_dim":
         src, index, dim = arg(user, 0, "input"), gather_index(user), arg(user, 2, "dim")
-    elif op_name(user) == "gather":
+    elif op_name(user) == "gather" and not user.kwargs.get("sparse_grad"):  # sparse: eager's backward raises
         src, index, dim = named_arg(user, "input"), gather_index(user), named_arg(user, "dim")
     else:
         return False
