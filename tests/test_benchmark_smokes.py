@@ -20,11 +20,11 @@ SCRIPTS = ["selection.py", "training.py", "context_parallel.py", "precision.py",
            "tuning/tune_descriptors.py", "tuning/tune_floor_ws.py", "tuning/tune_replay.py", "tuning/tune_rescore.py",
            "tuning/recovery.py",
            "tuning/host_overhead.py", "tuning/candidate_target.py", "tuning/tune_sparse_backward.py",
-           "tuning/host_pieces.py", "tuning/ranker_rows.py"]
+           "tuning/host_pieces.py", "tuning/ranker_rows.py", "tuning/tune_rescore_gluon.py"]
 # the longest smoke runs, longest first (CPU, the interpreter: 41, 36, 25, 19, 19, 18 s)
 SLOWEST = ("tuning/tune_selection.py", "tuning/tune_floor_ws.py", "tuning/tune_replay.py", "model.py", "selection.py",
            "tuning/tune_descriptors.py")
-LIBRARIES = ["floor.py", "host_timers.py", "peers/__init__.py", "peers/__main__.py"]  # imported by the scripts, not run
+LIBRARIES = ["floor.py", "host_timers.py", "peers/__init__.py", "peers/__main__.py", "tuning/rescore_gluon.py"]  # imported by the scripts, not run
 
 
 def test_every_script_is_smoke_tested():

@@ -10,16 +10,25 @@ alone and the scoring alone (``rescore_gluon.WS_MODE``) to place the time.
 
     python benchmarks/tuning/tune_rescore_gluon.py [--out results/tune_rescore_gluon.json]   # an sm_90 GPU
     python benchmarks/tuning/tune_rescore_gluon.py --offline   # no GPU: sm_90a registers, spills, shared memory
+    python benchmarks/tuning/tune_rescore_gluon.py --smoke     # the same as --offline, whatever TRITON_INTERPRET says
+
+Gluon has no interpreter, so the smoke run (tests/test_benchmark_smokes.py) is the offline build, in a process of
+its own without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
-import torch
+if "--smoke" in sys.argv:  # Gluon has no interpreter: the smoke run is the offline sm_90a build
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    sys.exit(subprocess.run([sys.executable, os.path.abspath(__file__), "--offline"], env=env).returncode)
+
+import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
