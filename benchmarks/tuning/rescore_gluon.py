@@ -4,22 +4,23 @@ Gluon kernel on Hopper, so the gathers and the MMAs overlap. Not used by the pro
 
 Why Gluon: ``runtime/rescore.py``'s Triton kernel is one program per query row whose loop gathers a block of keys,
 multiplies it, sums the heads and stores; Triton's pipeliner keeps the next gathers in flight, but the MMA and the
-head sums of a block run in the same warps as the gathers. Triton 3.6 cannot split that loop over warps (its
-automatic partitioner aborts on it). Gluon, Triton's lower-level language in ``triton.experimental``, can:
+head sums of a block run in the same warps as the gathers. Triton 3.6's automatic warp specialization aborts on that
+loop; Gluon, Triton's lower-level language in ``triton.experimental``, splits it over warps by hand:
 
 - a gather partition (4 warps) copies each block's key rows, and its positions, into a ring of shared-memory stages
   by ``cp.async``, the next block's positions loaded before it waits for a free stage;
 - two scoring partitions (a warpgroup each) take the blocks in turn: one [64 heads, D] x [D, 128 keys] wgmma (q in
   registers as the A operand), the result turned through a shared-memory tile so each thread holds one key's heads,
-  the heads summed in order with score_tile's step, then score_tile.tile_values and rescore.canonical;
+  the heads summed in order with score_tile.act_fma, then score_tile.tile_values' visibility and rescore.canonical
+  (the Triton functions themselves where their shapes allow: Gluon calls them);
 - stages are handed over by mbarriers, in a persistent grid (one program per SM) that keeps the ring full across
   rows.
 
 The values are the Triton kernel's, bit for bit (each head's dot is one wgmma per 16 of D in the same order, whatever
 the instruction's M and N; each key's heads are summed in order with the same max or min and FMA); the tuning
 script checks that on random, masked, biased, NaN / inf, all-equal and out-of-range inputs. What limits it is the
-shared memory's bandwidth: per block of 128 keys at H = 64 the copies write 32 KB, the wgmma reads 32 KB and the
-turn writes and reads 32 KB each, 128 KB at 128 bytes a clock.
+shared memory's bandwidth: per block of 128 keys at H = 64 the copies write 32 KB, the wgmma reads 32 KB, the turn
+writes and reads 32 KB each and the positions take 1 KB, 129 KB at 128 bytes a clock.
 
 Gluon has no interpreter, and its API is experimental (it changes between Triton releases): this file targets
 Triton 3.6.
@@ -28,7 +29,6 @@ Triton 3.6.
 from __future__ import annotations
 
 import torch
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -38,6 +38,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from hyscale_compile.runtime.rescore import canonical
+from hyscale_compile.runtime.score_tile import act_fma
 
 WS_BJ = 128  # keys per block: the MMA's N
 WS_BH = 64  # heads per MMA: its M, one warpgroup's (H of 33 to 64; fewer heads leave most of it idle)
@@ -49,8 +52,8 @@ WS_MODE = 0  # 1: the gathers alone (the scoring warps only hand stages back), 2
 
 
 @gluon.constexpr_function
-def _gather_layout(D, warps):
-    """Rows of D 16-bit elements, 16 bytes a thread per copy (one cp.async each)."""
+def _rows_layout(D, warps):
+    """Rows of D 16-bit elements, 16 bytes a thread (one cp.async each for the keys; q's rows are loaded so too)."""
     per_row = D // 8
     return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [warps, 1], [1, 0])
 
@@ -60,7 +63,7 @@ def _gather(idx_ptr, kx_ptr, keys, pos, ready, empty, n_items, n_chunks, T, S, K
             BJ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, MODE: gl.constexpr = 0):
     """The gather partition: each block's key rows into the next free stage, positions outside [0, S) (and picks past
     the row's end) as zero rows, then the stage's ``ready`` barrier arrives when this thread's copies have landed."""
-    layout: gl.constexpr = _gather_layout(D, WARPS)
+    layout: gl.constexpr = _rows_layout(D, WARPS)
     offs_j = gl.arange(0, BJ, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     pos_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
@@ -93,16 +96,6 @@ def _gather(idx_ptr, kx_ptr, keys, pos, ready, empty, n_items, n_chunks, T, S, K
 
 
 @gluon.jit
-def _act_fma(s, w, acc, ACT: gl.constexpr):
-    """score_tile.act_fma: acc + w * act(s), rounded once."""
-    if ACT == 1:
-        s = gl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    elif ACT == 2:
-        s = gl.minimum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    return gl.fma(s, w, acc)
-
-
-@gluon.jit
 def _score(q_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_ptr, keys, pos, heads, ready, empty,
            n_items, n_chunks, T, S, K, scale, fill, picks,
            sqb, sqt, sqh, swb, swt, swh, smb, smt, sms, sbb, sbt, sbs,
@@ -113,7 +106,7 @@ def _score(q_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, mask_ptr, bias_ptr, keys, pos,
     ``heads`` so each thread holds one key's heads, summed in order, then score_tile.tile_values and the store."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BJ, 16])
     q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+    q_load: gl.constexpr = _rows_layout(D, 4)
     key: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])  # [1, BJ], one key a thread
     hh = gl.arange(0, BH, layout=gl.SliceLayout(1, q_load))
     dd = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
@@ -160,22 +153,20 @@ def _sum_and_store(acc, heads, ws, cols, j, j_hi, lo, hi, r, b, t, K, S, fill, o
                    mask_ptr, smb, smt, sms, bias_ptr, sbb, sbt, sbs,
                    H: gl.constexpr, ACT: gl.constexpr, HAS_MASK: gl.constexpr, HAS_BIAS: gl.constexpr):
     """One block's values from its MMA result acc [BH, BJ]: turned through ``heads`` so each thread holds one key's
-    heads, summed in order with score_tile's step, then score_tile.tile_values, rescore.canonical and the store."""
+    heads, summed in order with score_tile.act_fma, then score_tile.tile_values' visibility (written out here: its
+    [rows, keys] operands do not fit one row's [1, BJ] block), rescore.canonical and the store."""
     key: gl.constexpr = cols.type.layout
     heads.store(acc)
     v = gl.zeros(cols.shape, gl.float32, key)
     for h in gl.static_range(H):
-        v = _act_fma(heads.slice(h, 1).load(key), ws[h], v, ACT)
+        v = act_fma(heads.slice(h, 1).load(key), ws[h], v, ACT)
     j_ok = j < j_hi
     visible = j_ok & (cols >= 0) & (cols < S) & (cols >= lo) & (cols < hi)
     if HAS_BIAS:
         v = v + gl.load(bias_ptr + b * sbb + t * sbt + cols * sbs, mask=visible, other=0.0).to(gl.float32)
     if HAS_MASK:
         visible = visible & (gl.load(mask_ptr + b * smb + t * smt + cols * sms, mask=visible, other=0) != 0)
-    v = gl.where(visible, v, fill)
-    v = gl.where(v != v, float("nan"), v)  # rescore.canonical: NaN as 0x7FC00000, -0.0 as +0.0
-    v = gl.where(v == 0.0, 0.0, v)
-    gl.store(out_ptr + r * K + j, v, mask=j_ok)
+    gl.store(out_ptr + r * K + j, canonical(gl.where(visible, v, fill)), mask=j_ok)
 
 
 @gluon.jit

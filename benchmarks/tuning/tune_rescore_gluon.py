@@ -59,10 +59,12 @@ def configure(**settings) -> None:
 
 def gluon_rescore(q, kx, w, idx, scale, relu, vis, fill, **settings):
     configure(**settings)
-    pb = Problem(q, kx, w, scale, relu, vis, fill)
-    out = torch.full(idx.shape, 12345.0, device=q.device)  # a value neither kernel writes
-    rg.launch(pb, idx.to(torch.int64).contiguous(), out)
-    configure()
+    try:
+        pb = Problem(q, kx, w, scale, relu, vis, fill)
+        out = torch.full(idx.shape, 12345.0, device=q.device)  # a value neither kernel writes
+        rg.launch(pb, idx.to(torch.int64).contiguous(), out)
+    finally:  # a failing check must not leave its settings to the next
+        configure()
     return out
 
 
